@@ -1,0 +1,145 @@
+"""Packing samples into micro-batches ("bins").
+
+Algorithms (pure, deterministic; sizes in tokens, bins hold sample indices):
+
+first_fit_decreasing(sizes, capacity)
+    Samples sorted by size descending (ties: lower index first); each goes into the
+    leftmost open bin with room, else a new bin. A sample larger than `capacity` sits alone.
+    A max segment tree over bins' remaining room finds the leftmost fitting bin in
+    O(log bins), so packing is O(n log n) instead of first-fit's O(n * bins). Unopened
+    leaves start at full capacity, so "leftmost leaf with room" is either an open bin or
+    the next new one: one descent per sample.
+
+split_to_alignment(bins, sizes, align)
+    Raise the bin count to a multiple of `align` by splitting the heaviest multi-sample bin
+    into two token-balanced halves, repeatedly. Fails when only single-sample bins remain.
+
+static_chunks(num_samples, micro_batch_size, align)
+    Contiguous chunks of at most `micro_batch_size` samples, their count a multiple of
+    `align` (sizes differ by at most one).
+
+Invariants: every index in exactly one bin; no bin empty; a bin over capacity holds one
+sample; splitting never raises a bin's tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from vgbs_ray.errors import ScheduleError
+
+
+def first_fit_decreasing(sizes, capacity: int) -> list[list[int]]:
+    """Pack sample indices into bins of at most `capacity` tokens (see module docstring).
+
+    Args:
+        sizes: tokens per sample.
+        capacity: tokens per bin (> 0).
+    Returns:
+        Bins in opening order, each a list of sample indices in packing order.
+    """
+    sizes = np.asarray(sizes, dtype=np.int64)
+    n = int(sizes.size)
+    if n == 0:
+        return []
+    order = np.argsort(-sizes, kind="stable").tolist()
+    clipped_total = int(np.minimum(sizes, capacity).sum())
+    oversize = int((sizes > capacity).sum())
+    # First fit leaves at most one bin half empty, so bins <= 2 * total / capacity + 1.
+    max_bins = min(n, 2 * clipped_total // capacity + 2 + oversize)
+    leaves = 1 << max(0, (max_bins - 1).bit_length())
+    room = [capacity] * (2 * leaves)
+    bins: list[list[int]] = []
+    size_list = sizes.tolist()
+    for index in order:
+        size = size_list[index]
+        if size > capacity:
+            leaf = len(bins)  # first unopened bin; it will never take another sample
+            taken = capacity
+        else:
+            node = 1
+            while node < leaves:
+                node <<= 1
+                if room[node] < size:
+                    node += 1
+            leaf = node - leaves
+            taken = size
+        if leaf == len(bins):
+            bins.append([index])
+        else:
+            bins[leaf].append(index)
+        node = leaf + leaves
+        room[node] -= taken
+        node >>= 1
+        while node:
+            best = max(room[2 * node], room[2 * node + 1])
+            if room[node] == best:
+                break
+            room[node] = best
+            node >>= 1
+    return bins
+
+
+def _halve(members: list[int], sizes: np.ndarray) -> tuple[list[int], list[int]]:
+    """Split a bin into two non-empty, token-balanced halves (largest-first greedy)."""
+    ordered = sorted(members, key=lambda i: (-int(sizes[i]), i))
+    halves: tuple[list[int], list[int]] = ([], [])
+    loads = [0, 0]
+    for i in ordered:
+        side = 0 if loads[0] <= loads[1] else 1
+        halves[side].append(i)
+        loads[side] += int(sizes[i])
+    return halves
+
+
+def split_to_alignment(bins: list[list[int]], sizes, align: int) -> list[list[int]]:
+    """Split the heaviest multi-sample bins until the bin count is a positive multiple of `align`.
+
+    Raises ScheduleError when the samples cannot fill `align`-many bins (fewer samples
+    than the target count).
+    """
+    sizes = np.asarray(sizes, dtype=np.int64)
+    result = [list(b) for b in bins]
+    target = max(align, -(-len(result) // align) * align)
+    num_samples = sum(len(b) for b in result)
+    if num_samples < target:
+        raise ScheduleError(
+            f"cannot make {target} micro-batches (a multiple of dp_size*mb_group={align}) "
+            f"from {num_samples} samples: every micro-batch needs at least one sample"
+        )
+    heap = [(-int(sizes[b].sum()), i) for i, b in enumerate(result) if len(b) > 1]
+    heapq.heapify(heap)
+    while len(result) < target:
+        _, i = heapq.heappop(heap)
+        first, second = _halve(result[i], sizes)
+        result[i] = first
+        result.append(second)
+        for j in (i, len(result) - 1):
+            if len(result[j]) > 1:
+                heapq.heappush(heap, (-int(sizes[result[j]].sum()), j))
+    return result
+
+
+def static_chunks(num_samples: int, micro_batch_size: int, align: int) -> list[list[int]]:
+    """Contiguous chunks of positions 0..num_samples-1 for the static path.
+
+    The chunk count is the smallest multiple of `align` that keeps every chunk at most
+    `micro_batch_size` samples and at least one. Raises ScheduleError if none exists.
+    """
+    fewest = -(-num_samples // micro_batch_size)
+    count = max(align, -(-fewest // align) * align)
+    if count > num_samples:
+        raise ScheduleError(
+            f"static micro_batch_size={micro_batch_size} cannot lay {num_samples} samples out as a "
+            f"multiple of dp_size*mb_group={align} non-empty micro-batches; use max_tokens_per_gpu "
+            "(dynamic packing) for rollouts with several samples"
+        )
+    base, extra = divmod(num_samples, count)
+    chunks, start = [], 0
+    for c in range(count):
+        stop = start + base + (1 if c < extra else 0)
+        chunks.append(list(range(start, stop)))
+        start = stop
+    return chunks

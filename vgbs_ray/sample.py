@@ -1,0 +1,227 @@
+"""The data contract: a sample, a rollout, and the rules they must keep.
+
+A *sample* is one training sequence; a *rollout* is one execution of a producer and yields
+1..N samples that share one `rollout_id` and one reward. Units: `tokens` and
+`response_length` in tokens; `loss_mask` has one 0/1 per response token (the response is
+the last `response_length` tokens).
+
+Rules (each has a name that errors carry in `RolloutValidationError.rule`):
+  empty_tokens        tokens non-empty
+  response_length     0 <= response_length <= len(tokens)
+  mask_length         len(loss_mask) == response_length
+  mask_values         loss_mask values are 0 or 1
+  log_probs_length    len(rollout_log_probs) == response_length, when given
+  rollout_size        1 <= rollout_size, sample_index < rollout_size, when given
+  group               group_id and group_size come together, group_size >= 1
+  sibling_rollout_id  siblings share one rollout_id
+  sibling_reward      siblings share one reward
+  sibling_rollout_size siblings agree on rollout_size
+  duplicate_sample    no two samples of a rollout share a sample_index
+  incomplete_rollout  a whole rollout has exactly rollout_size samples
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+
+from vgbs_ray.errors import RolloutValidationError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sample:
+    """One training sequence of one rollout (see module docstring for units and rules)."""
+
+    rollout_id: Hashable
+    tokens: np.ndarray
+    """int64 token ids, prompt + response."""
+    response_length: int
+    loss_mask: np.ndarray
+    """int8, one 0/1 per response token."""
+    reward: float
+    sample_index: int = 0
+    """Position of this sample within its rollout (0..rollout_size-1)."""
+    rollout_size: int | None = None
+    """Number of samples the rollout has; lets siblings arrive in separate calls."""
+    advantage: float | None = None
+    group_id: Hashable | None = None
+    """Rollouts answering the same prompt share a group (GRPO-style advantages)."""
+    group_size: int | None = None
+    rollout_log_probs: np.ndarray | None = None
+    """float32 log-probs of the response tokens under the rollout policy."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_length(self) -> int:
+        return int(len(self.tokens))
+
+    @classmethod
+    def from_dict(cls, row: dict[str, Any]) -> "Sample":
+        """Build a sample from a plain dict (a Ray Data row or a producer's payload).
+
+        Arrays are normalised to their dtypes; unknown keys go into metadata. The result is
+        not validated: call `validate_sample`.
+        """
+        known = {f for f in cls.__dataclass_fields__}
+        extra = {k: v for k, v in row.items() if k not in known}
+        missing = [k for k in ("rollout_id", "tokens", "response_length", "loss_mask", "reward") if k not in row]
+        if missing:
+            raise RolloutValidationError(
+                row.get("rollout_id"), "missing_field", f"sample lacks required field(s) {missing}"
+            )
+        rollout_id = row["rollout_id"]
+        if isinstance(rollout_id, np.generic):
+            rollout_id = rollout_id.item()
+        log_probs = row.get("rollout_log_probs")
+        return cls(
+            rollout_id=rollout_id,
+            tokens=np.asarray(row["tokens"], dtype=np.int64).reshape(-1),
+            response_length=int(row["response_length"]),
+            loss_mask=np.asarray(row["loss_mask"]).reshape(-1),
+            reward=float(row["reward"]),
+            sample_index=int(row.get("sample_index") or 0),
+            rollout_size=_optional_int(row.get("rollout_size")),
+            advantage=_optional_float(row.get("advantage")),
+            group_id=_optional_scalar(row.get("group_id")),
+            group_size=_optional_int(row.get("group_size")),
+            rollout_log_probs=None if log_probs is None else np.asarray(log_probs, dtype=np.float32).reshape(-1),
+            metadata={**(row.get("metadata") or {}), **extra},
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The inverse of `from_dict` (a row for Ray Data)."""
+        return {
+            "rollout_id": self.rollout_id,
+            "tokens": self.tokens,
+            "response_length": self.response_length,
+            "loss_mask": self.loss_mask,
+            "reward": self.reward,
+            "sample_index": self.sample_index,
+            "rollout_size": self.rollout_size,
+            "advantage": self.advantage,
+            "group_id": self.group_id,
+            "group_size": self.group_size,
+            "rollout_log_probs": self.rollout_log_probs,
+            "metadata": self.metadata,
+        }
+
+    def with_advantage(self, advantage: float) -> "Sample":
+        return replace(self, advantage=float(advantage))
+
+
+def _optional_int(value) -> int | None:
+    return None if value is None or _is_nan(value) else int(value)
+
+
+def _optional_float(value) -> float | None:
+    return None if value is None or _is_nan(value) else float(value)
+
+
+def _optional_scalar(value):
+    if value is None or _is_nan(value):
+        return None
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _is_nan(value) -> bool:
+    return isinstance(value, (float, np.floating)) and np.isnan(value)
+
+
+def validate_sample(sample: Sample) -> None:
+    """Raise RolloutValidationError if `sample` breaks a per-sample rule."""
+
+    def fail(rule: str, detail: str):
+        raise RolloutValidationError(sample.rollout_id, rule, detail, sample_index=sample.sample_index)
+
+    if sample.tokens.size == 0:
+        fail("empty_tokens", "tokens must be non-empty")
+    if not 0 <= sample.response_length <= sample.tokens.size:
+        fail(
+            "response_length",
+            f"response_length={sample.response_length} must be in [0, len(tokens)={sample.tokens.size}]",
+        )
+    if sample.loss_mask.size != sample.response_length:
+        fail(
+            "mask_length",
+            f"len(loss_mask)={sample.loss_mask.size} must equal response_length={sample.response_length}",
+        )
+    if sample.loss_mask.size and not np.isin(sample.loss_mask, (0, 1)).all():
+        bad = sample.loss_mask[~np.isin(sample.loss_mask, (0, 1))][0]
+        fail("mask_values", f"loss_mask values must be 0 or 1, found {bad!r}")
+    if sample.rollout_log_probs is not None and sample.rollout_log_probs.size != sample.response_length:
+        fail(
+            "log_probs_length",
+            f"len(rollout_log_probs)={sample.rollout_log_probs.size} must equal response_length={sample.response_length}",
+        )
+    if not np.isfinite(sample.reward):
+        fail("reward", f"reward must be finite, got {sample.reward}")
+    if sample.rollout_size is not None and not 0 <= sample.sample_index < sample.rollout_size:
+        fail(
+            "rollout_size",
+            f"sample_index={sample.sample_index} must be in [0, rollout_size={sample.rollout_size})",
+        )
+    if sample.sample_index < 0:
+        fail("rollout_size", f"sample_index={sample.sample_index} must be >= 0")
+    if (sample.group_id is None) != (sample.group_size is None) or (sample.group_size is not None and sample.group_size < 1):
+        fail("group", f"group_id and group_size come together with group_size >= 1, got {sample.group_id!r}/{sample.group_size!r}")
+
+
+def check_sibling(first: Sample, other: Sample) -> None:
+    """Raise if `other` cannot be a sibling of `first` (same rollout id, reward, size, group)."""
+    rid = first.rollout_id
+
+    def fail(rule: str, detail: str):
+        raise RolloutValidationError(rid, rule, detail, sample_index=other.sample_index)
+
+    if other.rollout_id != rid:
+        fail("sibling_rollout_id", f"sample carries rollout_id {other.rollout_id!r}, its siblings {rid!r}")
+    if other.reward != first.reward:
+        fail("sibling_reward", f"reward {other.reward} differs from its siblings' {first.reward}: a rollout has one reward")
+    if other.rollout_size != first.rollout_size:
+        fail("sibling_rollout_size", f"rollout_size {other.rollout_size} differs from its siblings' {first.rollout_size}")
+    if (other.group_id, other.group_size) != (first.group_id, first.group_size):
+        fail("group", f"group {other.group_id!r}/{other.group_size} differs from its siblings' {first.group_id!r}/{first.group_size}")
+
+
+def validate_rollout(samples: Sequence[Sample], *, require_complete: bool = True) -> None:
+    """Validate all samples of one rollout, every rule in the module docstring.
+
+    With `require_complete`, a rollout that declares `rollout_size` must hold exactly that
+    many samples.
+    """
+    if not samples:
+        raise RolloutValidationError(None, "empty_rollout", "a rollout needs at least one sample")
+    first = samples[0]
+    seen: set[int] = set()
+    for sample in samples:
+        validate_sample(sample)
+        check_sibling(first, sample)
+        if sample.sample_index in seen:
+            raise RolloutValidationError(
+                first.rollout_id, "duplicate_sample", f"sample_index {sample.sample_index} appears twice",
+                sample_index=sample.sample_index,
+            )
+        seen.add(sample.sample_index)
+    expected = first.rollout_size
+    if require_complete and expected is not None and len(samples) != expected:
+        raise RolloutValidationError(
+            first.rollout_id, "incomplete_rollout", f"has {len(samples)} samples, rollout_size says {expected}"
+        )
+
+
+def make_rollout(rollout_id: Hashable, samples: Sequence[dict[str, Any]], reward: float, **shared) -> list[Sample]:
+    """Build and validate a whole rollout from per-sample dicts (tokens, response_length, loss_mask, ...).
+
+    The rollout id, reward, rollout_size (= len(samples)) and `shared` fields (advantage,
+    group_id, group_size) are set on every sample, and sample_index by position.
+    """
+    built = [
+        Sample.from_dict(
+            {**row, **shared, "rollout_id": rollout_id, "reward": reward, "sample_index": i, "rollout_size": len(samples)}
+        )
+        for i, row in enumerate(samples)
+    ]
+    validate_rollout(built)
+    return built
