@@ -6,8 +6,8 @@ Modes:
   "flops"   balance rank loads measured in estimated FLOPs (attention is quadratic).
 
 Balanced modes work in two phases:
-1. Whole micro-batches, heaviest first, each to the least-loaded rank that still has a
-   free slot (greedy LPT with a cardinality constraint): count per rank is exact.
+1. Whole micro-batches to ranks by largest differencing (Karmarkar-Karp) with equal
+   counts: count per rank is exact.
 2. Refinement by sample moves and swaps between a heavy rank and a light rank: the one
    whose transferred load is closest to half the gap, while (a) no micro-batch exceeds the
    token cap, (b) no micro-batch becomes empty, (c) a sample over the cap never moves.
@@ -26,9 +26,11 @@ import heapq
 import numpy as np
 
 # Refinement stops once max rank load is within this fraction of the mean...
-_TARGET_IMBALANCE = 1e-3
-# ...or after this many improving moves per rank.
+_TARGET_IMBALANCE = 0.004
+# ...or after this many improving moves per rank, or this many fruitless pair searches per
+# rank (a step packed to the brim leaves no room to move into: stop looking, not balancing).
 _MAX_MOVES_PER_RANK = 40
+_MAX_FRUITLESS_PAIRS_PER_RANK = 4
 
 
 def distribute(
@@ -55,29 +57,53 @@ def distribute(
     """
     if len(bins) % dp_size:
         raise ValueError(f"{len(bins)} micro-batches cannot be split evenly over {dp_size} ranks")
-    per_rank = len(bins) // dp_size
     if mode == "none":
         assignment = [[bins[j] for j in range(rank, len(bins), dp_size)] for rank in range(dp_size)]
     else:
-        assignment = _greedy_equal_count(bins, weights, dp_size, per_rank)
+        assignment = _karmarkar_karp_equal_count(bins, weights, dp_size)
         _refine(assignment, tokens, weights, capacity, allow_moves)
-    return [
-        sorted((sorted(mb) for mb in rank_bins), key=lambda mb: (-float(weights[mb].sum()), mb[0]))
-        for rank_bins in assignment
-    ]
+    ordered = []
+    for rank_bins in assignment:
+        bin_weights = _bin_sums(rank_bins, weights)
+        order = sorted(range(len(rank_bins)), key=lambda j: (-bin_weights[j], min(rank_bins[j])))
+        ordered.append([sorted(rank_bins[j]) for j in order])
+    return ordered
 
 
-def _greedy_equal_count(bins, weights, dp_size, per_rank):
-    bin_weights = [float(weights[b].sum()) for b in bins]
+def _bin_sums(bins: list[list[int]], values: np.ndarray) -> list[float]:
+    """Sum of `values` over each bin's samples (one vectorised pass)."""
+    if not bins:
+        return []
+    flat = np.fromiter((i for b in bins for i in b), dtype=np.int64)
+    which = np.repeat(np.arange(len(bins)), [len(b) for b in bins])
+    return np.bincount(which, weights=values[flat], minlength=len(bins)).tolist()
+
+
+def _karmarkar_karp_equal_count(bins, weights, dp_size):
+    """Largest differencing with equal counts: whole bins to ranks, each rank len(bins)/dp_size.
+
+    Bins sorted by weight form groups of dp_size, each a partial solution of dp_size
+    one-bin subsets. Repeatedly the two partial solutions with the largest spread merge,
+    the heaviest subset of one joining the lightest of the other, so counts stay equal and
+    differences cancel. O(B log B) for B bins.
+    """
+    bin_weights = _bin_sums(bins, weights)
     order = sorted(range(len(bins)), key=lambda j: (-bin_weights[j], j))
-    heap = [(0.0, rank) for rank in range(dp_size)]
-    assignment: list[list[list[int]]] = [[] for _ in range(dp_size)]
-    for j in order:
-        load, rank = heapq.heappop(heap)
-        assignment[rank].append(list(bins[j]))
-        if len(assignment[rank]) < per_rank:
-            heapq.heappush(heap, (load + bin_weights[j], rank))
-    return assignment
+    heap = []
+    for g in range(0, len(order), dp_size):
+        group = [(bin_weights[j], [j]) for j in order[g:g + dp_size]]
+        group.sort(key=lambda subset: subset[0])
+        heapq.heappush(heap, (-(group[-1][0] - group[0][0]), g, group))
+    while len(heap) > 1:
+        _, key, first = heapq.heappop(heap)
+        _, _, second = heapq.heappop(heap)
+        merged = [
+            (a[0] + b[0], a[1] + b[1]) for a, b in zip(first, reversed(second))
+        ]
+        merged.sort(key=lambda subset: subset[0])
+        heapq.heappush(heap, (-(merged[-1][0] - merged[0][0]), key, merged))
+    _, _, solution = heap[0]
+    return [[list(bins[j]) for j in members] for _, members in solution]
 
 
 def _refine(assignment, tokens, weights, capacity, allow_moves):
@@ -86,39 +112,57 @@ def _refine(assignment, tokens, weights, capacity, allow_moves):
     if dp_size < 2:
         return
     cap = np.inf if capacity is None else capacity
-    loads = np.array([sum(float(weights[mb].sum()) for mb in rank_bins) for rank_bins in assignment])
+    loads = np.array([sum(_bin_sums(rank_bins, weights)) for rank_bins in assignment])
     mean = loads.mean()
     if mean <= 0:
         return
+    views: dict[int, _RankView] = {}
+
+    def view(rank: int) -> _RankView:
+        if rank not in views:
+            views[rank] = _RankView(assignment[rank], tokens, weights)
+        return views[rank]
+
+    # A pair that found no improving transfer stays hopeless until one of its ranks changes.
+    hopeless: set[tuple[int, int]] = set()
+    fruitless_budget = _MAX_FRUITLESS_PAIRS_PER_RANK * dp_size
     for _ in range(_MAX_MOVES_PER_RANK * dp_size):
         heavy = int(np.argmax(loads))
         if loads[heavy] <= mean * (1 + _TARGET_IMBALANCE):
             return
-        for light in np.argsort(loads, kind="stable"):
-            light = int(light)
-            if light == heavy or not _improve_pair(assignment, loads, heavy, light, tokens, weights, cap, allow_moves):
+        for light in np.argsort(loads, kind="stable").tolist():
+            if light == heavy or (heavy, light) in hopeless:
                 continue
-            break
+            if _improve_pair(assignment, loads, heavy, light, view(heavy), view(light), weights, cap, allow_moves):
+                views.pop(heavy), views.pop(light)
+                hopeless = {pair for pair in hopeless if heavy not in pair and light not in pair}
+                break
+            hopeless.add((heavy, light))
+            fruitless_budget -= 1
+            if fruitless_budget <= 0:
+                return
         else:
-            return  # no light rank can take load from the heaviest one
+            return  # no rank can take load from the heaviest one
 
 
-def _flatten(rank_bins, tokens, weights):
-    """Per sample of one rank: (sample, bin position, tokens, weight), plus bins' tokens and sizes."""
-    samples = [i for mb in rank_bins for i in mb]
-    where = np.repeat(np.arange(len(rank_bins)), [len(mb) for mb in rank_bins])
-    bin_tokens = np.array([int(tokens[mb].sum()) for mb in rank_bins], dtype=np.int64)
-    bin_sizes = np.array([len(mb) for mb in rank_bins])
-    return np.array(samples, dtype=np.int64), where, bin_tokens, bin_sizes
+class _RankView:
+    """One rank's samples as flat arrays: sample ids, their bin, tokens, weights; bins' tokens and sizes."""
+
+    def __init__(self, rank_bins, tokens, weights):
+        self.samples = np.fromiter((i for mb in rank_bins for i in mb), dtype=np.int64)
+        self.where = np.repeat(np.arange(len(rank_bins)), [len(mb) for mb in rank_bins])
+        self.tokens = tokens[self.samples]
+        self.weights = weights[self.samples]
+        self.bin_tokens = np.bincount(self.where, weights=self.tokens, minlength=len(rank_bins))
+        self.bin_sizes = np.bincount(self.where, minlength=len(rank_bins))
 
 
-def _improve_pair(assignment, loads, heavy, light, tokens, weights, cap, allow_moves) -> bool:
+def _improve_pair(assignment, loads, heavy, light, h: _RankView, l: _RankView, weights, cap, allow_moves) -> bool:
     """Apply the best move or swap from `heavy` to `light`; return whether one improved the pair."""
     gap = loads[heavy] - loads[light]
-    h_samples, h_where, h_bin_tokens, h_bin_sizes = _flatten(assignment[heavy], tokens, weights)
-    l_samples, l_where, l_bin_tokens, _ = _flatten(assignment[light], tokens, weights)
-    h_tokens, h_weights = tokens[h_samples], weights[h_samples]
-    l_tokens, l_weights = tokens[l_samples], weights[l_samples]
+    h_tokens, h_weights, h_where, h_bin_tokens = h.tokens, h.weights, h.where, h.bin_tokens
+    l_tokens, l_weights, l_where, l_bin_tokens = l.tokens, l.weights, l.where, l.bin_tokens
+    h_samples, l_samples, h_bin_sizes = h.samples, l.samples, h.bin_sizes
     movable_h = h_tokens <= cap  # a lone oversize sample stays where it is
 
     best = None  # (distance of transfer from gap/2, kind, heavy position, light position or bin)

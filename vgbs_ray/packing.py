@@ -10,16 +10,18 @@ first_fit_decreasing(sizes, capacity)
     leaves start at full capacity, so "leftmost leaf with room" is either an open bin or
     the next new one: one descent per sample.
 
-split_to_alignment(bins, sizes, align)
+split_to_alignment(bins, sizes, align, capacity)
     Raise the bin count to a multiple of `align` by splitting the heaviest multi-sample bin
-    into two token-balanced halves, repeatedly. Fails when only single-sample bins remain.
+    into two token-balanced halves, repeatedly. When too few samples remain to split
+    (lone oversize samples), merge the lightest bins under the cap instead; fail if
+    neither reaches a multiple.
 
 static_chunks(num_samples, micro_batch_size, align)
     Contiguous chunks of at most `micro_batch_size` samples, their count a multiple of
     `align` (sizes differ by at most one).
 
 Invariants: every index in exactly one bin; no bin empty; a bin over capacity holds one
-sample; splitting never raises a bin's tokens.
+sample; splitting never raises a bin's tokens; merging keeps the cap.
 """
 
 from __future__ import annotations
@@ -53,28 +55,29 @@ def first_fit_decreasing(sizes, capacity: int) -> list[list[int]]:
     room = [capacity] * (2 * leaves)
     bins: list[list[int]] = []
     size_list = sizes.tolist()
+    num_open = 0
     for index in order:
         size = size_list[index]
         if size > capacity:
-            leaf = len(bins)  # first unopened bin; it will never take another sample
-            taken = capacity
+            leaf, taken = num_open, capacity  # a new bin that will never take another sample
         else:
             node = 1
             while node < leaves:
                 node <<= 1
                 if room[node] < size:
                     node += 1
-            leaf = node - leaves
-            taken = size
-        if leaf == len(bins):
+            leaf, taken = node - leaves, size
+        if leaf == num_open:
             bins.append([index])
+            num_open += 1
         else:
             bins[leaf].append(index)
         node = leaf + leaves
         room[node] -= taken
         node >>= 1
         while node:
-            best = max(room[2 * node], room[2 * node + 1])
+            left, right = room[2 * node], room[2 * node + 1]
+            best = left if left > right else right
             if room[node] == best:
                 break
             room[node] = best
@@ -94,21 +97,33 @@ def _halve(members: list[int], sizes: np.ndarray) -> tuple[list[int], list[int]]
     return halves
 
 
-def split_to_alignment(bins: list[list[int]], sizes, align: int) -> list[list[int]]:
-    """Split the heaviest multi-sample bins until the bin count is a positive multiple of `align`.
+def split_to_alignment(bins: list[list[int]], sizes, align: int, capacity: int | None = None) -> list[list[int]]:
+    """Make the bin count a positive multiple of `align`.
 
-    Raises ScheduleError when the samples cannot fill `align`-many bins (fewer samples
-    than the target count).
+    First by splitting the heaviest multi-sample bins into token-balanced halves (up to the
+    next multiple). If too few samples can be split off (e.g. several lone oversize
+    samples), by merging the two lightest bins while they fit `capacity` (down to the
+    previous multiple, never below `align`). Raises ScheduleError when neither works.
     """
     sizes = np.asarray(sizes, dtype=np.int64)
     result = [list(b) for b in bins]
     target = max(align, -(-len(result) // align) * align)
     num_samples = sum(len(b) for b in result)
-    if num_samples < target:
-        raise ScheduleError(
-            f"cannot make {target} micro-batches (a multiple of dp_size*mb_group={align}) "
-            f"from {num_samples} samples: every micro-batch needs at least one sample"
-        )
+    if num_samples >= target:
+        return _split_up(result, sizes, target)
+    lower = len(result) // align * align
+    if lower >= align and capacity is not None:
+        merged = _merge_down(result, sizes, lower, capacity)
+        if merged is not None:
+            return merged
+    raise ScheduleError(
+        f"cannot make a multiple of dp_size*mb_group={align} micro-batches from {num_samples} samples "
+        f"in {len(result)} micro-batches: every micro-batch needs a sample and merging would break the "
+        "token cap; raise max_tokens_per_gpu or global_batch_size"
+    )
+
+
+def _split_up(result: list[list[int]], sizes: np.ndarray, target: int) -> list[list[int]]:
     heap = [(-int(sizes[b].sum()), i) for i, b in enumerate(result) if len(b) > 1]
     heapq.heapify(heap)
     while len(result) < target:
@@ -120,6 +135,19 @@ def split_to_alignment(bins: list[list[int]], sizes, align: int) -> list[list[in
             if len(result[j]) > 1:
                 heapq.heappush(heap, (-int(sizes[result[j]].sum()), j))
     return result
+
+
+def _merge_down(result: list[list[int]], sizes: np.ndarray, target: int, capacity: int) -> list[list[int]] | None:
+    heap = [(int(sizes[b].sum()), i) for i, b in enumerate(result)]
+    heapq.heapify(heap)
+    merged: dict[int, list[int]] = dict(enumerate(result))
+    while len(merged) > target:
+        (light, i), (second, j) = heapq.heappop(heap), heapq.heappop(heap)
+        if light + second > capacity:
+            return None
+        merged[i] = merged[i] + merged.pop(j)
+        heapq.heappush(heap, (light + second, i))
+    return [merged[i] for i in sorted(merged)]
 
 
 def static_chunks(num_samples: int, micro_batch_size: int, align: int) -> list[list[int]]:

@@ -144,7 +144,7 @@ def layout_step(
     align = parallel.microbatch_alignment
     if batch.is_dynamic:
         capacity = batch.max_tokens_per_gpu * parallel.cp_size
-        bins = split_to_alignment(first_fit_decreasing(lengths, capacity), lengths, align)
+        bins = split_to_alignment(first_fit_decreasing(lengths, capacity), lengths, align, capacity)
     else:
         capacity = None
         bins = static_chunks(len(sample_indices), batch.micro_batch_size, align)
