@@ -30,7 +30,7 @@ _TARGET_IMBALANCE = 0.004
 # ...or after this many improving moves per rank, or this many fruitless pair searches per
 # rank (a step packed to the brim leaves no room to move into: stop looking, not balancing).
 _MAX_MOVES_PER_RANK = 40
-_MAX_FRUITLESS_PAIRS_PER_RANK = 4
+_MAX_FRUITLESS_PAIRS_PER_RANK = 8
 
 
 def distribute(
