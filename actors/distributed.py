@@ -1,0 +1,60 @@
+"""Rendezvous: torch.distributed, then Megatron's parallel groups, both with a timeout.
+
+Rank 0 picks a free TCP port on its node and publishes `host:port`; every rank then joins
+the default group with `init_method=tcp://host:port` (a peer that never joins fails the
+others after `timeout_s`, it does not hang), and Megatron builds its TP / PP / CP / DP
+groups (DP derived: world / (tp * pp * cp)) with the same timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch
+import torch.distributed as dist
+
+from actors.train_config import RankInfo
+
+
+def find_free_port() -> int:
+    """A TCP port that was free a moment ago on this host (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def init_distributed(*, rank: int, world_size: int, master_addr: str, master_port: int, backend: str,
+                     timeout_s: float, tp_size: int, pp_size: int, cp_size: int) -> RankInfo:
+    """Join the process group and initialise Megatron's parallel state; returns this rank's place."""
+    from megatron.core import parallel_state
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                            world_size=world_size, timeout=timeout)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp_size,
+        pipeline_model_parallel_size=pp_size,
+        context_parallel_size=cp_size,
+        # A float is fine: Megatron only builds a timedelta from it.
+        distributed_timeout_minutes=timeout_s / 60.0,
+    )
+    return RankInfo(
+        rank=rank,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        cp_rank=parallel_state.get_context_parallel_rank(),
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's groups and the default group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,145 @@
+"""The policy model: a Megatron-Core GPTModel built from a frozen config.
+
+Attention. Micro-batches are THD packed sequences; Megatron's local `DotProductAttention`
+rejects packed sequences (and allocates on CUDA), so:
+- GPU with Transformer Engine installed: Megatron's TE layer spec and its own attention.
+- otherwise (CPU, or GPU without TE): the local spec with `core_attention` swapped for
+  `SDPAAttention` below (scaled_dot_product_attention with a block-diagonal causal mask
+  built from `cu_seqlens`).
+Positions are learned absolute embeddings (RoPE asks for a CUDA device on CPU, PLATFORM_NOTES).
+On CPU every fusion is off. With `use_cpu_initialization` the full weights are drawn from torch's generator and
+then split, so a TP=2 model starts from exactly the TP=1 weights for the same seed.
+
+Must be called after `parallel_state.initialize_model_parallel`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from actors.train_config import ModelConfig
+from vgbs_ray.errors import ConfigError
+
+
+class SDPAAttention(MegatronModule):
+    """Core attention on `F.scaled_dot_product_attention`, for CPU.
+
+    Inputs are [s, b, heads, dim] (sbhd, causal) or, with THD packed sequences,
+    [t, heads, dim] and `packed_seq_params.cu_seqlens_q`; outputs [s, b, heads * dim] and
+    [t, heads * dim]. Grouped-query keys and values are repeated to the query heads.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ConfigError("SDPAAttention (the CPU attention) does not support context parallelism: set cp_size=1")
+        self.softmax_scale = softmax_scale
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params: PackedSeqParams | None = None):
+        dropout_p = self.dropout_p if self.training else 0.0
+        if query.shape[-2] != key.shape[-2]:
+            repeat = query.shape[-2] // key.shape[-2]
+            key = key.repeat_interleave(repeat, dim=-2)
+            value = value.repeat_interleave(repeat, dim=-2)
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            mask = block_causal_mask(packed_seq_params.cu_seqlens_q, query.shape[0], query.device)
+            q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, h, t, d]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                 scale=self.softmax_scale)
+            return out.squeeze(0).transpose(0, 1).reshape(query.shape[0], -1)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
+                                             scale=self.softmax_scale)
+        seq, batch = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, total: int, device) -> torch.Tensor:
+    """[t, t] bool: True where token i may attend token j (same sequence, j <= i)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.long)
+    sequence_of = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths.to(device))
+    if sequence_of.numel() != total:
+        raise ValueError(f"cu_seqlens covers {sequence_of.numel()} tokens but the micro-batch has {total}")
+    same = sequence_of.unsqueeze(0) == sequence_of.unsqueeze(1)
+    return torch.tril(same)
+
+
+def transformer_config(config: ModelConfig, *, tp_size: int, pp_size: int, cp_size: int,
+                       on_gpu: bool) -> TransformerConfig:
+    """The Megatron TransformerConfig for `config` under the given parallel sizes."""
+    dtype = torch.bfloat16 if config.params_dtype == "bfloat16" else torch.float32
+    return TransformerConfig(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_query_groups,
+        ffn_hidden_size=config.ffn_hidden_size,
+        tensor_model_parallel_size=tp_size,
+        pipeline_model_parallel_size=pp_size,
+        context_parallel_size=cp_size,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=not on_gpu,
+        # The fusions need CUDA kernels (PLATFORM_NOTES); on GPU they are left to Megatron's defaults.
+        **({} if on_gpu else dict(
+            gradient_accumulation_fusion=False,
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            apply_rope_fusion=False,
+            persist_layer_norm=False,
+        )),
+    )
+
+
+def build_gpt_model(config: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, cp_size: int = 1,
+                    on_gpu: bool = False, pre_process: bool = True, post_process: bool = True) -> GPTModel:
+    """Build the GPTModel; deterministic for a given `config.seed` (see module docstring)."""
+    torch.manual_seed(config.seed)
+    if on_gpu and transformer_engine_available():
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        spec = copy.deepcopy(get_gpt_layer_local_spec())
+        spec.submodules.self_attention.submodules.core_attention = SDPAAttention
+    model = GPTModel(
+        config=transformer_config(config, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size, on_gpu=on_gpu),
+        transformer_layer_spec=spec,
+        vocab_size=config.vocab_size,
+        max_sequence_length=config.max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="learned_absolute",
+    )
+    return model.cuda() if on_gpu else model
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int) -> PackedSeqParams:
+    """THD packed-sequence parameters for one micro-batch row."""
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)

@@ -1,0 +1,109 @@
+"""TrainActor: one rank of the train group, a thin Ray shell around `RankTrainer`.
+
+Created cheaply (no Megatron import) on its placement-group bundle; `setup` joins
+torch.distributed and Megatron's groups and builds the model, so every rank imports
+Megatron in parallel. A step either comes as a shard (`train_shard`) or is pulled from the
+SchedulerActor (`train_step`): get this DP rank's ShardRef for step k, train it, and (one
+rank per DP replica) ack with this rank's metric pairs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import ray
+import torch
+
+from actors.train_config import RankInfo, RankStepResult, TrainGroupConfig
+from vgbs_ray.shard import StepShard
+
+log = logging.getLogger(__name__)
+
+# The scheduler's RPCs get this much on top of the configured waits (scheduling, pickling).
+_RPC_MARGIN_S = 30.0
+
+
+class TrainActor:
+    """One rank (see module docstring). Made remote by `train_actor_class`."""
+
+    def __init__(self, config: TrainGroupConfig, rank: int):
+        torch.set_num_threads(1)  # 2-core machines; many ranks share them
+        self.config = config
+        self.rank = rank
+        self.info: RankInfo | None = None
+        self.trainer = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free port on it (asked of rank 0: the rendezvous address)."""
+        from actors.distributed import find_free_port
+
+        return ray.util.get_node_ip_address(), find_free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> RankInfo:
+        from actors.distributed import init_distributed
+        from actors.trainer import RankTrainer
+
+        c = self.config
+        self.info = init_distributed(rank=self.rank, world_size=c.world_size, master_addr=master_addr,
+                                     master_port=master_port, backend=c.backend, timeout_s=c.collective_timeout_s,
+                                     tp_size=c.tp_size, pp_size=c.pp_size, cp_size=c.cp_size)
+        self.trainer = RankTrainer(c, self.info)
+        return self.info
+
+    def train_shard(self, shard: StepShard) -> RankStepResult:
+        return self.trainer.train_shard(shard)
+
+    def train_step(self, step: int, scheduler, timeout_s: float) -> RankStepResult | None:
+        """Pull this DP rank's shard of `step` from the scheduler, train it, ack it; None if the stream ended."""
+        dp_rank = self.info.dp_rank
+        shard_ref = ray.get(scheduler.get_shard.remote(step, dp_rank, timeout_s=timeout_s),
+                            timeout=timeout_s + _RPC_MARGIN_S)
+        if shard_ref is None:
+            return None
+        shard = ray.get(shard_ref.ref, timeout=timeout_s + _RPC_MARGIN_S)
+        result = self.trainer.train_shard(shard)
+        if self.info.is_lead:
+            ray.get(scheduler.ack_step.remote(step, dp_rank, result.local_metrics), timeout=_RPC_MARGIN_S)
+        return result
+
+    def state_dict(self) -> dict:
+        return self.trainer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.trainer.load_state_dict(state)
+
+    def save_checkpoint(self, path: str) -> str | None:
+        """One file per model-parallel shard, written by DP rank 0 (DP replicas are identical)."""
+        if self.info.dp_rank != 0:
+            return None
+        target = Path(path) / _checkpoint_name(self.info)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(".tmp")
+        torch.save(self.trainer.state_dict(), tmp)
+        os.replace(tmp, target)  # a crash mid-save never leaves a half file under the real name
+        return str(target)
+
+    def load_checkpoint(self, path: str) -> None:
+        target = Path(path) / _checkpoint_name(self.info)
+        if not target.exists():
+            raise FileNotFoundError(f"rank {self.rank}: no checkpoint file {target} (saved with other tp/pp sizes?)")
+        self.trainer.load_state_dict(torch.load(target, map_location="cpu", weights_only=False))
+
+    def full_parameters(self) -> dict:
+        return self.trainer.full_parameters()
+
+    def shutdown(self) -> None:
+        from actors.distributed import destroy_distributed
+
+        destroy_distributed()
+
+
+def _checkpoint_name(info: RankInfo) -> str:
+    return f"model_tp{info.tp_rank:02d}_pp{info.pp_rank:03d}.pt"
+
+
+def train_actor_class(*, num_cpus: float, num_gpus: float):
+    """The remote TrainActor class with its resources (one factory; every actor is made here)."""
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)(TrainActor)

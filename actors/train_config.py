@@ -1,0 +1,200 @@
+"""Configs and results of the train group: frozen dataclasses, importable without Megatron.
+
+The driver (jobs, the TrainGroup) builds these and ships them to the TrainActors; only the
+actors import Megatron. Each config validates itself and names the field and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from vgbs_ray.config import ParallelConfig
+from vgbs_ray.errors import ConfigError
+from vgbs_ray.lr_schedule import LRScheduleConfig
+from vgbs_ray.metrics import MetricPairs
+
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A GPT decoder (Megatron-Core GPTModel). The defaults are the tiny model of tests and the demo."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    """Grouped-query attention groups; None = one per head."""
+    ffn_hidden_size: int | None = None
+    """None = 4 * hidden_size."""
+    vocab_size: int = 128
+    max_sequence_length: int = 256
+    """Longest sample (tokens): the learned position table's size."""
+    seed: int = 1234
+    """Weights are drawn from torch's generator seeded with this (deterministic init)."""
+    params_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_sequence_length"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"ModelConfig.hidden_size={self.hidden_size} must be a multiple of "
+                              f"num_attention_heads={self.num_attention_heads}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    kind: Literal["adamw", "sgd"] = "adamw"
+    """AdamW, or plain SGD (no momentum by default; the packing-invariance tests use it)."""
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    """Learning rate as a function of rollouts consumed (advances by each step's rollout count)."""
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.0
+    clip_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this; None = no clipping."""
+
+    def __post_init__(self):
+        if self.kind not in ("adamw", "sgd"):
+            raise ConfigError(f"OptimizerConfig.kind must be 'adamw' or 'sgd', got {self.kind!r}")
+        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
+            raise ConfigError(f"OptimizerConfig.clip_grad_norm must be > 0 or None, got {self.clip_grad_norm}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    clip_eps: float = 0.2
+    """PPO ratio clip: the ratio is clipped to [1 - clip_eps, 1 + clip_eps]."""
+    recompute_old_log_probs: bool = False
+    """Take old log-probs from a forward pass before the update even when the shard carries
+    rollout log-probs (without them the forward pass is always used)."""
+    legacy_max_tokens_per_microbatch: int = 1024
+    """Legacy path only (a shard without a layout): the token cap a rank packs its own samples under."""
+
+    def __post_init__(self):
+        if not 0 < self.clip_eps < 1:
+            raise ConfigError(f"LossConfig.clip_eps must be in (0, 1), got {self.clip_eps}")
+        if self.legacy_max_tokens_per_microbatch <= 0:
+            raise ConfigError("LossConfig.legacy_max_tokens_per_microbatch must be positive, "
+                              f"got {self.legacy_max_tokens_per_microbatch}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainGroupConfig:
+    """Everything a train group needs: model, optimizer, loss, parallel sizes, placement, timeouts."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    dp_size: int = 1
+    tp_size: int = 1
+    pp_size: int = 1
+    """Pipeline stages; only 1 is implemented (see README Training)."""
+    cp_size: int = 1
+    """Context-parallel size; only 1 is implemented (see README Training)."""
+    backend: Literal["gloo", "nccl"] = "gloo"
+    """gloo: CPU path (hand-written micro-batch loop). nccl: GPU path (Megatron schedule, DDP, optimizer)."""
+    placement_strategy: PlacementStrategy = "PACK"
+    num_cpus_per_actor: float = 1.0
+    placement_timeout_s: float = 60.0
+    """How long to wait for the placement group before failing (the cluster cannot fit it)."""
+    setup_timeout_s: float = 120.0
+    """Rendezvous, Megatron import and init, model build."""
+    collective_timeout_s: float = 60.0
+    """torch.distributed timeout: a peer that never joins a collective fails the step after this."""
+    step_timeout_s: float = 600.0
+    """A whole step (including waiting for the scheduler's shard) must finish within this."""
+
+    def __post_init__(self):
+        for name in ("dp_size", "tp_size", "pp_size", "cp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"TrainGroupConfig.{name} must be a positive integer, got {value!r}")
+        if self.pp_size != 1 or self.cp_size != 1:
+            raise ConfigError(
+                f"TrainGroupConfig: pp_size={self.pp_size}, cp_size={self.cp_size}: pipeline and context "
+                "parallelism are not implemented by the TrainActor yet; set pp_size=1 and cp_size=1"
+            )
+        if self.model.num_attention_heads % self.tp_size:
+            raise ConfigError(f"TrainGroupConfig.tp_size={self.tp_size} must divide "
+                              f"model.num_attention_heads={self.model.num_attention_heads}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ConfigError(f"TrainGroupConfig.backend must be 'gloo' (CPU) or 'nccl' (GPU), got {self.backend!r}")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ConfigError(f"TrainGroupConfig.placement_strategy must be one of {PLACEMENT_STRATEGIES}, "
+                              f"got {self.placement_strategy!r}")
+        for name in ("placement_timeout_s", "setup_timeout_s", "collective_timeout_s", "step_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"TrainGroupConfig.{name} must be > 0 seconds, got {getattr(self, name)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.tp_size * self.pp_size * self.cp_size
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.backend == "nccl"
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        """The layout the scheduler needs: dp, cp, vpp (1: no virtual pipeline), micro-batch group."""
+        return ParallelConfig(dp_size=self.dp_size, cp_size=self.cp_size, vpp_size=1,
+                              microbatch_group_size_per_vp_stage=1)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where a TrainActor sits in the Megatron grid."""
+
+    rank: int
+    dp_rank: int
+    tp_rank: int
+    pp_rank: int
+    cp_rank: int
+
+    @property
+    def is_lead(self) -> bool:
+        """The one rank of its DP replica that acks the step to the scheduler."""
+        return self.tp_rank == 0 and self.pp_rank == 0 and self.cp_rank == 0
+
+
+@dataclass(frozen=True)
+class RankStepResult:
+    """What one rank reports after one step."""
+
+    step: int
+    rank: int
+    dp_rank: int
+    num_rollouts: int
+    num_microbatches: int
+    path: Literal["layout", "legacy"]
+    local_metrics: MetricPairs
+    """This rank's (sum, count) pairs (what it acks to the scheduler)."""
+    reduced_metrics: MetricPairs
+    """(sum, count) pairs summed over the DP ranks (the same on every rank)."""
+    lr: float
+    grad_norm: float
+    step_time_s: float
+    consumed_rollouts: int
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step of the whole group."""
+
+    step: int
+    num_rollouts: int
+    metrics: dict[str, float]
+    """Count-weighted values (total sum / total count) of the reduced metric pairs."""
+    metric_pairs: MetricPairs
+    lr: float
+    grad_norm: float
+    step_time_s: float
+    """The slowest rank's step time."""
+    num_microbatches: int
+    path: Literal["layout", "legacy"]
+    consumed_rollouts: int

@@ -1,0 +1,205 @@
+"""TrainGroup: the driver-side handle on a placement group of Megatron TrainActors.
+
+    group = TrainGroup(TrainGroupConfig(dp_size=2))
+    group.register_with(scheduler)          # advertise group.parallel_config
+    result = group.train_step(step, scheduler)   # every rank pulls its shard, trains, acks
+    result = group.train_shards(shards)     # the same without a scheduler (tests, benchmarks)
+    group.save_checkpoint(path); group.load_checkpoint(path)
+    group.shutdown()
+
+Start-up, in order (each with a timeout and an error that says what to change):
+1. a placement group, one bundle per rank (`placement_strategy`); waits `placement_timeout_s`
+   and names the missing resources when the cluster cannot fit it (Ray itself would wait forever);
+2. one TrainActor per bundle;
+3. rendezvous: rank 0 picks a free port and publishes host:port; all ranks join
+   torch.distributed and Megatron's groups (DP derived) and build the model.
+
+Step failures: if any rank dies or raises, the step raises `TrainStepError` naming the rank
+as soon as that rank's result fails; surviving ranks then fail their collective within
+`collective_timeout_s` (gloo raises when a peer is gone). The group is then unusable:
+`shutdown()` it and build a new one (a new process group on a new port).
+
+Importable without Megatron: only the actors import it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.train_actor import train_actor_class
+from actors.train_config import RankInfo, RankStepResult, StepResult, TrainGroupConfig
+from vgbs_ray.config import ParallelConfig
+from vgbs_ray.errors import VgbsError
+from vgbs_ray.metrics import metric_values
+from vgbs_ray.shard import StepShard
+
+log = logging.getLogger(__name__)
+
+
+class PlacementGroupTimeoutError(VgbsError, TimeoutError):
+    """The cluster could not fit the train group's placement group in time."""
+
+
+class TrainStepError(VgbsError, RuntimeError):
+    """A rank failed or died during a step, or the step timed out."""
+
+
+class TrainGroup:
+    """A placement group of TrainActors forming one Megatron job (see module docstring)."""
+
+    def __init__(self, config: TrainGroupConfig):
+        self.config = config
+        self._pg = self._create_placement_group()
+        try:
+            actor_class = train_actor_class(num_cpus=config.num_cpus_per_actor, num_gpus=1 if config.on_gpu else 0)
+            self.actors = [
+                actor_class.options(
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self._pg, placement_group_bundle_index=rank),
+                    name=None,
+                ).remote(config, rank)
+                for rank in range(config.world_size)
+            ]
+            host, port = ray.get(self.actors[0].address.remote(), timeout=config.setup_timeout_s)
+            log.info("train group: %d ranks (dp=%d tp=%d), rendezvous at %s:%d",
+                     config.world_size, config.dp_size, config.tp_size, host, port)
+            self.rank_infos: list[RankInfo] = self._gather(
+                [actor.setup.remote(host, port) for actor in self.actors], config.setup_timeout_s, "set-up")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        """What the scheduler lays steps out for (dp, cp, vpp, micro-batch group)."""
+        return self.config.parallel_config
+
+    def register_with(self, scheduler) -> None:
+        """Advertise this group's parallel config to a SchedulerActor (makes rollout-side layout eligible)."""
+        ray.get(scheduler.register_train_group.remote(self.parallel_config), timeout=60)
+
+    # -- steps --------------------------------------------------------------------------
+
+    def train_step(self, step: int, scheduler, *, shard_timeout_s: float | None = None) -> StepResult | None:
+        """Every rank pulls its shard of `step` from the scheduler, trains and acks; None when the stream ended."""
+        wait_s = shard_timeout_s if shard_timeout_s is not None else self.config.step_timeout_s
+        results = self._gather([actor.train_step.remote(step, scheduler, wait_s) for actor in self.actors],
+                               self.config.step_timeout_s + wait_s, f"step {step}")
+        if all(r is None for r in results):
+            return None
+        if any(r is None for r in results):
+            raise TrainStepError(f"step {step}: some ranks got no shard and others did; the scheduler "
+                                 "must publish every DP rank's shard of a step or none")
+        return _combine(results)
+
+    def train_shards(self, shards: Sequence[StepShard]) -> StepResult:
+        """Train one step from given shards, one per DP rank (TP peers of a DP rank share it)."""
+        dp_size = self.config.dp_size
+        if len(shards) != dp_size or sorted(s.rank for s in shards) != list(range(dp_size)):
+            raise ValueError(f"need one shard per DP rank 0..{dp_size - 1}, got ranks {[s.rank for s in shards]}")
+        refs_by_dp = {s.rank: ray.put(s) for s in shards}  # put once; TP peers share the object
+        step = shards[0].step
+        results = self._gather([actor.train_shard.remote(refs_by_dp[info.dp_rank])
+                                for actor, info in zip(self.actors, self.rank_infos)],
+                               self.config.step_timeout_s, f"step {step}")
+        return _combine(results)
+
+    def _gather(self, refs: list, timeout_s: float, what: str) -> list:
+        """Results of every rank; raise at the first failed rank, or when `timeout_s` passes."""
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        results: dict[int, object] = {}
+        pending = list(refs)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
+            if not ready:
+                missing = sorted(rank_of[r] for r in pending)
+                raise TrainStepError(f"{what}: ranks {missing} did not finish within {timeout_s:.0f} s "
+                                     "(a hung collective or a slow scheduler); shut this group down")
+            rank = rank_of[ready[0]]
+            try:
+                results[rank] = ray.get(ready[0])
+            except ray.exceptions.RayActorError as error:
+                raise TrainStepError(f"{what}: TrainActor rank {rank} died ({type(error).__name__}); the "
+                                     "group's collectives are broken: shut it down and start a new one") from error
+            except ray.exceptions.RayTaskError as error:
+                raise TrainStepError(f"{what}: TrainActor rank {rank} failed: {error.cause!r}") from error
+        return [results[rank] for rank in range(len(refs))]
+
+    # -- state --------------------------------------------------------------------------
+
+    def state_dict(self) -> list[dict]:
+        """Per rank: model shard, optimizer, LR-schedule position (in memory, for tests)."""
+        return self._gather([a.state_dict.remote() for a in self.actors], self.config.step_timeout_s, "state_dict")
+
+    def load_state_dict(self, states: Sequence[dict]) -> None:
+        self._gather([a.load_state_dict.remote(s) for a, s in zip(self.actors, states)],
+                     self.config.step_timeout_s, "load_state_dict")
+
+    def save_checkpoint(self, path: str) -> list[str]:
+        """Model + optimizer + LR position, one file per model-parallel shard, at a step boundary."""
+        written = self._gather([a.save_checkpoint.remote(str(path)) for a in self.actors],
+                               self.config.step_timeout_s, "save_checkpoint")
+        return [w for w in written if w]
+
+    def load_checkpoint(self, path: str) -> None:
+        self._gather([a.load_checkpoint.remote(str(path)) for a in self.actors],
+                     self.config.step_timeout_s, "load_checkpoint")
+
+    def full_parameters(self) -> dict:
+        """The whole model's parameters (TP shards gathered), as numpy arrays, from DP replica 0."""
+        gathered = self._gather([a.full_parameters.remote() for a in self.actors],
+                                self.config.step_timeout_s, "full_parameters")
+        return gathered[0]
+
+    def shutdown(self) -> None:
+        """Kill the actors and free the placement group (safe after a failure)."""
+        for actor in getattr(self, "actors", []):
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        if getattr(self, "_pg", None) is not None:
+            remove_placement_group(self._pg)
+            self._pg = None
+
+    # -- start-up -----------------------------------------------------------------------
+
+    def _create_placement_group(self):
+        c = self.config
+        bundle = {"CPU": c.num_cpus_per_actor, **({"GPU": 1} if c.on_gpu else {})}
+        pg = placement_group([dict(bundle) for _ in range(c.world_size)], strategy=c.placement_strategy)
+        ready, _ = ray.wait([pg.ready()], timeout=c.placement_timeout_s)
+        if not ready:
+            available = ray.available_resources()
+            remove_placement_group(pg)
+            raise PlacementGroupTimeoutError(
+                f"placement group of {c.world_size} bundles {bundle} ({c.placement_strategy}) not ready after "
+                f"{c.placement_timeout_s:.0f} s; the cluster has {_resources(available)} free. Lower "
+                "dp_size/tp_size or num_cpus_per_actor, add nodes, or raise placement_timeout_s"
+            )
+        return pg
+
+
+def _resources(available: dict) -> str:
+    return ", ".join(f"{k}={v:g}" for k, v in sorted(available.items()) if k in ("CPU", "GPU")) or "none"
+
+
+def _combine(results: list[RankStepResult]) -> StepResult:
+    first = results[0]
+    return StepResult(
+        step=first.step,
+        num_rollouts=first.num_rollouts,
+        metrics=metric_values(first.reduced_metrics),
+        metric_pairs=first.reduced_metrics,
+        lr=first.lr,
+        grad_norm=first.grad_norm,
+        step_time_s=max(r.step_time_s for r in results),
+        num_microbatches=first.num_microbatches,
+        path=first.path,
+        consumed_rollouts=first.consumed_rollouts,
+    )
