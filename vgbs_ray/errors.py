@@ -41,3 +41,11 @@ class RolloutValidationError(VgbsError, ValueError):
 
     def __reduce__(self):
         return (type(self), (self.rollout_id, self.rule, self.detail, self.sample_index))
+
+
+class SchedulerTimeoutError(VgbsError, TimeoutError):
+    """A scheduler call waited past its timeout (no shard yet, no room, flush not done); the message says why."""
+
+
+class SchedulerStateError(VgbsError, RuntimeError):
+    """A scheduler call that its current state forbids (input closed, step released, a rank acked twice)."""

@@ -1,0 +1,39 @@
+"""Group advantages: the invariants in vgbs_ray/advantages.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vgbs_ray.advantages import group_advantages, is_uniform_group, normalize_group_rewards
+
+
+def test_normalised_rewards_sum_to_zero_and_keep_order():
+    rewards = [0.0, 1.0, 0.5, 2.0]
+    adv = normalize_group_rewards(rewards)
+    assert abs(adv.sum()) < 1e-9
+    assert list(np.argsort(adv)) == list(np.argsort(rewards))
+    expected = (np.array(rewards) - np.mean(rewards)) / (np.std(rewards) + 1e-6)
+    np.testing.assert_allclose(adv, expected)
+
+
+def test_unit_variance_with_zero_eps():
+    adv = normalize_group_rewards([1.0, 3.0, 5.0], eps=0.0)
+    assert np.isclose(adv.std(), 1.0)
+
+
+def test_uniform_group_gets_zeros_even_without_eps():
+    assert is_uniform_group([0.7, 0.7, 0.7])
+    assert not is_uniform_group([0.7, 0.8])
+    np.testing.assert_array_equal(normalize_group_rewards([0.7, 0.7, 0.7], eps=0.0), [0.0, 0.0, 0.0])
+
+
+def test_group_advantages_by_rollout_id():
+    adv = group_advantages({"a": 1.0, "b": 0.0})
+    assert adv["a"] > 0 > adv["b"] and np.isclose(adv["a"], -adv["b"])
+
+
+@pytest.mark.parametrize("bad", [[], [1.0, float("nan")], [float("inf")]])
+def test_bad_groups_raise(bad):
+    with pytest.raises(ValueError):
+        normalize_group_rewards(bad)

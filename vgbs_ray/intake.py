@@ -1,0 +1,360 @@
+"""Rollout intake: samples in any order -> validated, complete, advantaged rollouts, oldest first.
+
+    intake = RolloutIntake(IntakeConfig(...), ledger)
+    outcome = intake.ingest(samples, now=time.monotonic(), accept_new=True)
+    rollouts = intake.take_oldest(global_batch_size)
+
+Completion. A sample that says `rollout_size` lets its siblings arrive in other calls, in
+any order, interleaved with other rollouts; the rollout is complete when `rollout_size`
+distinct `sample_index`es arrived. Samples without `rollout_size` are a whole rollout within
+the one call that delivers them (a Ray Data row alone is a one-sample rollout).
+
+Validation. A sample is rejected, with the rollout id and the rule, when it breaks the data
+contract (`vgbs_ray.sample`), disagrees with the first accepted sample of its rollout
+(reward, rollout_size, group, whether it carries an advantage), repeats a sample_index
+(duplicate_sample), or belongs to a rollout that is already complete, scheduled, trained
+or dropped. A rejection never touches anything already accepted: the rollout stays open
+and may still complete with a corrected sample. A whole-call rollout is accepted or
+rejected as a unit (nothing of it was accepted before).
+
+Advantages. A rollout whose samples carry no advantage needs a group (`group_id`,
+`group_size`); it waits until every rollout of its group is complete, then gets the
+group-normalised reward (`vgbs_ray.advantages`). A uniform-reward group is dropped when
+`drop_uniform_groups` is set ("uniform_group_reward"), else trained with zero advantages.
+
+Backpressure. A *new* rollout is admitted only while `accept_new` and the buffer (open +
+waiting + ready samples and tokens) is under its bounds; otherwise its samples are
+*deferred* (returned to the caller, who must resubmit them). Samples of rollouts already
+open, and new rollouts of a group already open, are always admitted: refusing them could
+never free the buffer (their rollouts would stay incomplete forever).
+
+Ready order: first ready (completed and advantaged), first out.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Sequence
+
+from vgbs_ray.advantages import DEFAULT_EPS, group_advantages, is_uniform_group
+from vgbs_ray.errors import ConfigError, RolloutValidationError
+from vgbs_ray.ledger import Ledger, RolloutState
+from vgbs_ray.sample import Sample, check_sibling, validate_rollout, validate_sample
+
+UNIFORM_GROUP_REASON = "uniform_group_reward"
+
+
+@dataclass(frozen=True, kw_only=True)
+class IntakeConfig:
+    max_buffered_samples: int | None = None
+    """Bound on buffered samples (open + waiting for group + ready); None = unbounded."""
+    max_buffered_tokens: int | None = None
+    """Bound on buffered tokens (prompt + response); None = unbounded."""
+    advantage_eps: float = DEFAULT_EPS
+    """eps in (r - mean) / (std + eps) for group advantages."""
+    drop_uniform_groups: bool = False
+    """Drop a group whose rollouts all have the same reward (no learning signal)."""
+
+    def __post_init__(self):
+        for name in ("max_buffered_samples", "max_buffered_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"IntakeConfig.{name} must be a positive integer or None, got {value!r}")
+        if self.advantage_eps < 0:
+            raise ConfigError(f"IntakeConfig.advantage_eps must be >= 0, got {self.advantage_eps}")
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """One rejected sample: which rollout, which sample, which rule, why."""
+
+    rollout_id: Hashable
+    sample_index: int | None
+    rule: str
+    message: str
+
+    def error(self) -> RolloutValidationError:
+        return RolloutValidationError(self.rollout_id, self.rule, self.message, sample_index=self.sample_index)
+
+
+@dataclass(frozen=True)
+class ReadyRollout:
+    """A complete rollout with advantages set, ready to be scheduled. Times are monotonic seconds."""
+
+    rollout_id: Hashable
+    samples: tuple[Sample, ...]
+    completed_at: float
+    ready_at: float
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.total_length for s in self.samples)
+
+
+@dataclass
+class IngestOutcome:
+    accepted: int = 0
+    rejections: list[Rejection] = field(default_factory=list)
+    deferred: list[int] = field(default_factory=list)
+    """Positions (in the call) of samples refused by backpressure: resubmit them."""
+    completed: list = field(default_factory=list)
+    """Rollout ids whose last sample arrived in this call."""
+    dropped: list[tuple[Hashable, str]] = field(default_factory=list)
+
+
+@dataclass
+class _Open:
+    first: Sample
+    samples: dict[int, Sample]
+    expected: int | None
+
+
+@dataclass
+class _Group:
+    size: int
+    rewards: dict = field(default_factory=dict)          # complete member -> reward
+    members: set = field(default_factory=set)            # every member seen
+    waiting: dict = field(default_factory=dict)          # member needing advantage -> (samples, completed_at)
+
+
+class RolloutIntake:
+    """Buffers samples until rollouts are complete and advantaged (see module docstring)."""
+
+    def __init__(self, config: IntakeConfig, ledger: Ledger):
+        self.config = config
+        self.ledger = ledger
+        self._open: dict[Hashable, _Open] = {}
+        self._groups: dict[Hashable, _Group] = {}
+        self._closed_groups: set = set()
+        self._waiting_group: dict[Hashable, Hashable] = {}   # rollout id -> group id
+        self._ready: OrderedDict[Hashable, ReadyRollout] = OrderedDict()
+        self._taken: set = set()   # taken for a step, not yet settled in the ledger
+        self.buffered_samples = 0
+        self.buffered_tokens = 0
+
+    # -- queries ---------------------------------------------------------------------
+    @property
+    def num_ready(self) -> int:
+        return len(self._ready)
+
+    @property
+    def num_buffered_rollouts(self) -> int:
+        return len(self._open) + len(self._waiting_group) + len(self._ready)
+
+    def oldest_ready_at(self) -> float | None:
+        return next(iter(self._ready.values())).ready_at if self._ready else None
+
+    def has_room(self) -> tuple[bool, str]:
+        """Whether a new rollout may enter, and if not, the bound that is full."""
+        c = self.config
+        if c.max_buffered_samples is not None and self.buffered_samples >= c.max_buffered_samples:
+            return False, f"buffer_full: {self.buffered_samples} samples buffered (max_buffered_samples={c.max_buffered_samples})"
+        if c.max_buffered_tokens is not None and self.buffered_tokens >= c.max_buffered_tokens:
+            return False, f"buffer_full: {self.buffered_tokens} tokens buffered (max_buffered_tokens={c.max_buffered_tokens})"
+        return True, ""
+
+    # -- ingestion -------------------------------------------------------------------
+    def ingest(self, rows: Sequence[Sample | dict[str, Any]], *, now: float, accept_new: bool = True) -> IngestOutcome:
+        """Validate and buffer one call's samples. Never raises for bad data: see `rejections`."""
+        out = IngestOutcome()
+        by_rollout: OrderedDict[Hashable, list[tuple[int, Sample]]] = OrderedDict()
+        for position, row in enumerate(rows):
+            try:
+                sample = row if isinstance(row, Sample) else Sample.from_dict(row)
+                validate_sample(sample)
+            except RolloutValidationError as e:
+                self._reject(out, e.rollout_id, e.sample_index, e.rule, e.detail)
+                continue
+            except (TypeError, ValueError, KeyError) as e:
+                rid = row.get("rollout_id") if isinstance(row, dict) else None
+                self._reject(out, rid, None, "data_contract", f"sample cannot be read: {e}")
+                continue
+            try:
+                by_rollout.setdefault(sample.rollout_id, []).append((position, sample))
+            except TypeError:
+                self._reject(out, repr(sample.rollout_id), sample.sample_index, "rollout_id", "rollout_id must be hashable")
+        deferring = False
+        for rid, items in by_rollout.items():
+            if rid not in self._open and not self._closed_reason(rid):
+                group_open = items[0][1].group_id in self._groups
+                if not group_open:
+                    room, _ = self.has_room()
+                    deferring = deferring or not (accept_new and room)
+                if deferring and not group_open:
+                    out.deferred.extend(p for p, _ in items)
+                    continue
+            self._ingest_rollout(rid, [s for _, s in items], now, out)
+        return out
+
+    def _closed_reason(self, rid) -> str | None:
+        state = self.ledger.state(rid)
+        if state in (RolloutState.SCHEDULED, RolloutState.TRAINED):
+            return f"already_scheduled: rollout is {state.value} in step {self.ledger.get(rid).step}"
+        if state is RolloutState.DROPPED:
+            return f"already_dropped: rollout was dropped ({self.ledger.get(rid).reason})"
+        if rid in self._taken:
+            return "already_scheduled: rollout is being scheduled"
+        if rid in self._ready or rid in self._waiting_group:
+            return "already_complete: rollout already has all its samples"
+        return None
+
+    def _ingest_rollout(self, rid, samples: list[Sample], now: float, out: IngestOutcome) -> None:
+        closed = self._closed_reason(rid)
+        if closed:
+            rule, detail = closed.split(": ", 1)
+            for s in samples:
+                self._reject(out, rid, s.sample_index, rule, f"{detail}; a late sample is never trained")
+            return
+        if rid not in self._open and samples[0].rollout_size is None:
+            # A whole rollout in this call: accept or reject it as a unit.
+            try:
+                validate_rollout(samples)
+                if len({s.advantage is None for s in samples}) > 1:
+                    raise RolloutValidationError(rid, "sibling_advantage",
+                                                 "siblings must all carry an advantage or all leave it to the group")
+                self._check_new_rollout(samples[0])
+            except RolloutValidationError as e:
+                for s in samples:
+                    self._reject(out, rid, s.sample_index, e.rule, e.detail)
+                return
+            self._open[rid] = _Open(samples[0], {}, expected=len(samples))
+        for s in samples:
+            self._add_to_open(rid, s, now, out)
+
+    def _check_new_rollout(self, first: Sample) -> None:
+        rid = first.rollout_id
+        if first.advantage is None and first.group_id is None:
+            raise RolloutValidationError(rid, "missing_advantage",
+                                         "sample has neither an advantage nor a group_id/group_size to compute one")
+        if first.group_id is None:
+            return
+        if first.group_id in self._closed_groups:
+            raise RolloutValidationError(rid, "group_closed", f"group {first.group_id!r} already had all its rollouts")
+        group = self._groups.get(first.group_id)
+        if group is not None and group.size != first.group_size:
+            raise RolloutValidationError(rid, "group_size",
+                                         f"group_size {first.group_size} differs from group {first.group_id!r}'s {group.size}")
+        if group is not None and len(group.members) >= group.size:
+            raise RolloutValidationError(rid, "group_full", f"group {first.group_id!r} already has {group.size} rollouts")
+
+    def _add_to_open(self, rid, sample: Sample, now: float, out: IngestOutcome) -> None:
+        entry = self._open.get(rid)
+        try:
+            if entry is None:
+                self._check_new_rollout(sample)
+            else:
+                check_sibling(entry.first, sample)
+                if (entry.first.advantage is None) != (sample.advantage is None):
+                    raise RolloutValidationError(rid, "sibling_advantage",
+                                                 "siblings must all carry an advantage or all leave it to the group",
+                                                 sample_index=sample.sample_index)
+                if sample.sample_index in entry.samples:
+                    raise RolloutValidationError(rid, "duplicate_sample", f"sample_index {sample.sample_index} already arrived",
+                                                 sample_index=sample.sample_index)
+        except RolloutValidationError as e:
+            self._reject(out, rid, sample.sample_index, e.rule, e.detail)
+            return
+        if entry is None:
+            entry = self._open[rid] = _Open(sample, {}, expected=sample.rollout_size)
+        if sample.group_id is not None:
+            self._groups.setdefault(sample.group_id, _Group(size=sample.group_size)).members.add(rid)
+        entry.samples[sample.sample_index] = sample
+        self.ledger.accept_sample(rid)
+        self.buffered_samples += 1
+        self.buffered_tokens += sample.total_length
+        out.accepted += 1
+        if len(entry.samples) == entry.expected:
+            del self._open[rid]
+            out.completed.append(rid)
+            self._complete(rid, tuple(entry.samples[i] for i in sorted(entry.samples)), now, out)
+
+    def _complete(self, rid, samples: tuple[Sample, ...], now: float, out: IngestOutcome) -> None:
+        first = samples[0]
+        if first.group_id is None:
+            self._ready[rid] = ReadyRollout(rid, samples, completed_at=now, ready_at=now)
+            return
+        group = self._groups[first.group_id]
+        group.rewards[rid] = first.reward
+        if first.advantage is None:
+            group.waiting[rid] = (samples, now)
+            self._waiting_group[rid] = first.group_id
+        else:
+            self._ready[rid] = ReadyRollout(rid, samples, completed_at=now, ready_at=now)
+        if len(group.rewards) == group.size:
+            self._resolve_group(first.group_id, group, now, out)
+
+    def _resolve_group(self, group_id, group: _Group, now: float, out: IngestOutcome) -> None:
+        del self._groups[group_id]
+        self._closed_groups.add(group_id)
+        uniform = is_uniform_group(list(group.rewards.values()))
+        advantages = group_advantages(group.rewards, self.config.advantage_eps)
+        for rid, (samples, completed_at) in group.waiting.items():
+            del self._waiting_group[rid]
+            if uniform and self.config.drop_uniform_groups:
+                self._release(samples)
+                self.ledger.drop(rid, UNIFORM_GROUP_REASON)
+                out.dropped.append((rid, UNIFORM_GROUP_REASON))
+                continue
+            advantaged = tuple(s.with_advantage(advantages[rid]) for s in samples)
+            self._ready[rid] = ReadyRollout(rid, advantaged, completed_at=completed_at, ready_at=now)
+
+    def _reject(self, out: IngestOutcome, rid, sample_index, rule: str, message: str) -> None:
+        rejection = Rejection(rid, sample_index, rule, message)
+        out.rejections.append(rejection)
+        try:
+            self.ledger.reject(rid, rule, message, sample_index)
+        except TypeError:  # an unhashable id cannot enter the ledger's table; keep the event
+            self.ledger.reject(repr(rid), rule, message, sample_index)
+
+    def _release(self, samples: Sequence[Sample]) -> None:
+        self.buffered_samples -= len(samples)
+        self.buffered_tokens -= sum(s.total_length for s in samples)
+
+    # -- leaving the buffer ----------------------------------------------------------
+    def take_oldest(self, count: int) -> list[ReadyRollout]:
+        """Remove and return up to `count` ready rollouts, first ready first.
+
+        They stay in the ledger as BUFFERED until the caller schedules or drops them and
+        calls `settle`; meanwhile a late sample of one is rejected (already_scheduled).
+        """
+        taken = []
+        while self._ready and len(taken) < count:
+            _, rollout = self._ready.popitem(last=False)
+            self._release(rollout.samples)
+            self._taken.add(rollout.rollout_id)
+            taken.append(rollout)
+        return taken
+
+    def settle(self, rollout_ids) -> None:
+        """Taken rollouts are now scheduled or dropped in the ledger."""
+        self._taken.difference_update(rollout_ids)
+
+    def return_front(self, rollouts: Sequence[ReadyRollout]) -> None:
+        """Put taken rollouts back at the head of the queue, in their order (a step that was not emitted)."""
+        for rollout in reversed(rollouts):
+            self._taken.discard(rollout.rollout_id)
+            self._ready[rollout.rollout_id] = rollout
+            self._ready.move_to_end(rollout.rollout_id, last=False)
+            self.buffered_samples += len(rollout.samples)
+            self.buffered_tokens += rollout.num_tokens
+
+    def close_incomplete(self) -> list[tuple[Hashable, str, str]]:
+        """End of input: drop every open rollout and every rollout waiting for its group.
+
+        Returns (rollout_id, reason, detail) for each; the caller records them in the ledger.
+        """
+        closed = []
+        for rid, entry in self._open.items():
+            have = sorted(entry.samples)
+            closed.append((rid, "incomplete_rollout", f"has sample_index {have} of rollout_size {entry.expected}"))
+            self._release(list(entry.samples.values()))
+        self._open.clear()
+        for rid, group_id in self._waiting_group.items():
+            group = self._groups[group_id]
+            samples, _ = group.waiting[rid]
+            closed.append((rid, "incomplete_group", f"group {group_id!r} has {len(group.rewards)} of {group.size} rollouts complete"))
+            self._release(samples)
+        self._waiting_group.clear()
+        self._groups.clear()
+        return closed

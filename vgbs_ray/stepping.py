@@ -1,0 +1,107 @@
+"""Turning a step's ready rollouts into per-rank shards, and the leftover policy.
+
+    planned = plan_step(rollouts, step=k, parallel=..., batch=..., num_rollouts_seen=n)
+    action = leftover_action(batch.leftover, end_of_input=False)
+
+`plan_step` is pure: it decides rollout-side layout vs the legacy path
+(`vgbs_ray.eligibility.decide_scheduling`, with `num_rollouts_seen` as the batch's rollout
+count so a stream that has produced at least one full step keeps its layout for a partial
+final step), lays the step out with `layout_step` over the rollouts' samples in first-ready
+order, and builds one `StepShard` per DP rank. Invariants: every sample of the given
+rollouts is on exactly one rank; every shard carries the step's true `num_rollouts`;
+siblings share the step. A step that cannot give every rank a sample raises ScheduleError
+(the caller keeps or drops its rollouts by the leftover policy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Literal, Sequence
+
+import numpy as np
+
+from vgbs_ray.config import BatchConfig, ParallelConfig, LeftoverPolicy
+from vgbs_ray.eligibility import SchedulingDecision, decide_scheduling
+from vgbs_ray.errors import ScheduleError
+from vgbs_ray.intake import ReadyRollout
+from vgbs_ray.schedule import layout_step
+from vgbs_ray.shard import StepShard, build_legacy_shards, build_step_shards
+
+LeftoverAction = Literal["partial", "drop", "keep"]
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    step: int
+    rollout_ids: tuple
+    shards: list[StepShard]
+    decision: SchedulingDecision
+    num_samples: int
+    num_tokens: int
+    num_microbatches: int | None
+    """Micro-batches per rank (the same on every rank); None on the legacy path."""
+
+
+def plan_step(
+    rollouts: Sequence[ReadyRollout],
+    *,
+    step: int,
+    parallel: ParallelConfig,
+    batch: BatchConfig,
+    advertise_layout: bool = True,
+    num_rollouts_seen: int,
+    features: Iterable[str] = (),
+) -> PlannedStep:
+    """Lay out one step and build its shards (see module docstring). Pure; O(n log n) in samples."""
+    if not rollouts:
+        raise ScheduleError("a step needs at least one rollout")
+    samples = [s for r in rollouts for s in r.samples]
+    ids = tuple(r.rollout_id for r in rollouts)
+    decision = decide_scheduling(
+        parallel if advertise_layout else None,
+        has_rollout_ids=True,
+        num_rollouts=max(num_rollouts_seen, len(ids)),
+        global_batch_size=batch.global_batch_size,
+        features=features,
+    )
+    needed = parallel.microbatch_alignment if decision.rollout_side else parallel.dp_size
+    if len(samples) < needed:
+        raise ScheduleError(
+            f"step {step}: {len(ids)} rollouts hold {len(samples)} samples, fewer than the {needed} needed "
+            f"to give every DP rank a micro-batch (dp_size={parallel.dp_size})"
+        )
+    if decision.rollout_side:
+        lengths = np.array([s.total_length for s in samples], dtype=np.int64)
+        layout = layout_step(ids, range(len(samples)), lengths, parallel, batch)
+        shards = build_step_shards(samples, layout, step)
+        num_microbatches = layout.num_microbatches
+    else:
+        shards = build_legacy_shards(samples, step, parallel.dp_size)
+        num_microbatches = None
+    return PlannedStep(
+        step=step,
+        rollout_ids=ids,
+        shards=shards,
+        decision=decision,
+        num_samples=len(samples),
+        num_tokens=int(sum(s.total_length for s in samples)),
+        num_microbatches=num_microbatches,
+    )
+
+
+def leftover_action(policy: LeftoverPolicy, *, end_of_input: bool) -> LeftoverAction:
+    """What a flush does with fewer than gbs ready rollouts.
+
+    "partial" -> train them as one smaller step; "drop" -> drop them (reason "leftover");
+    "carry" -> keep them for the next step, except at end of input, where no next step
+    comes, so they are dropped (reason "carried_at_end_of_input").
+    """
+    if policy == "partial":
+        return "partial"
+    if policy == "drop" or end_of_input:
+        return "drop"
+    return "keep"
+
+
+def leftover_drop_reason(policy: LeftoverPolicy) -> str:
+    return "leftover" if policy == "drop" else "carried_at_end_of_input"
