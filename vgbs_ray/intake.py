@@ -167,7 +167,7 @@ class RolloutIntake:
                 self._reject(out, e.rollout_id, e.sample_index, e.rule, e.detail)
                 continue
             except (TypeError, ValueError, KeyError) as e:
-                rid = row.get("rollout_id") if isinstance(row, dict) else None
+                rid = row.get("rollout_id") if hasattr(row, "get") else None
                 self._reject(out, rid, None, "data_contract", f"sample cannot be read: {e}")
                 continue
             try:

@@ -1,0 +1,172 @@
+"""Typed configs and results of the SchedulerActor (re-exported by `actors.scheduler_actor`).
+
+Everything here is a frozen dataclass that crosses Ray boundaries by pickling. Units: `_s`
+in seconds; token counts are prompt + response tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import ray
+
+from vgbs_ray.advantages import DEFAULT_EPS
+from vgbs_ray.config import BatchConfig
+from vgbs_ray.errors import ConfigError
+from vgbs_ray.intake import IntakeConfig, Rejection
+from vgbs_ray.ledger import LedgerSummary
+
+__all__ = [
+    "FlushResult", "Rejection", "SchedulerConfig", "SchedulerStats", "ShardRef", "StepRecord", "SubmitResult",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    batch: BatchConfig
+    """gbs in rollouts, token cap or micro-batch size, balance, leftover policy."""
+    max_buffered_samples: int | None = None
+    """Backpressure: new rollouts are deferred while this many samples are buffered. None = unbounded."""
+    max_buffered_tokens: int | None = None
+    """Backpressure: new rollouts are deferred while this many tokens are buffered. None = unbounded."""
+    max_steps_ahead: int | None = None
+    """Bounded staleness K: new rollouts are deferred while more than K steps are emitted but not trained."""
+    max_wait_s: float | None = None
+    """Flush (per leftover policy) when the oldest ready rollout waited this long; None = never.
+    Has no effect with leftover="carry"."""
+    drop_uniform_groups: bool = False
+    """Drop a GRPO group whose rollouts all have the same reward (recorded "uniform_group_reward")."""
+    advantage_eps: float = DEFAULT_EPS
+    features: tuple[str, ...] = ()
+    """Features in use; one needing train-side ordering ("multi_adapter", "multimodal") forces the legacy path."""
+    retry_after_s: float = 0.05
+    """The wait a deferred producer is told to sleep before resubmitting."""
+    max_concurrency: int = 64
+    """Threads serving actor calls at once (blocked get_shard / submit calls each hold one)."""
+
+    def __post_init__(self):
+        if not isinstance(self.batch, BatchConfig):
+            raise ConfigError(f"SchedulerConfig.batch must be a BatchConfig, got {type(self.batch).__name__}")
+        if self.max_steps_ahead is not None and (not isinstance(self.max_steps_ahead, int) or self.max_steps_ahead < 0):
+            raise ConfigError(f"SchedulerConfig.max_steps_ahead must be an int >= 0 or None, got {self.max_steps_ahead!r}")
+        if self.max_wait_s is not None and self.max_wait_s <= 0:
+            raise ConfigError(f"SchedulerConfig.max_wait_s must be > 0 or None, got {self.max_wait_s}")
+        if self.retry_after_s < 0:
+            raise ConfigError(f"SchedulerConfig.retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.max_concurrency < 4:
+            raise ConfigError(f"SchedulerConfig.max_concurrency must be >= 4 (pulls, pushes, stats at once), got {self.max_concurrency}")
+        self.intake_config()  # validates the buffer bounds
+
+    def intake_config(self) -> IntakeConfig:
+        return IntakeConfig(
+            max_buffered_samples=self.max_buffered_samples,
+            max_buffered_tokens=self.max_buffered_tokens,
+            advantage_eps=self.advantage_eps,
+            drop_uniform_groups=self.drop_uniform_groups,
+        )
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    """What one `submit` did with each sample: accepted, rejected (with rule), or deferred.
+
+    Deferred samples were *not* taken (backpressure): resubmit exactly those
+    (`samples[i] for i in deferred`) after `retry_after_s`. Nothing is dropped silently:
+    accepted + len(rejected) + len(deferred) == the number of samples submitted.
+    """
+
+    accepted: int
+    rejected: tuple[Rejection, ...] = ()
+    deferred: tuple[int, ...] = ()
+    retry_after_s: float | None = None
+    backpressure_reason: str | None = None
+    completed_rollouts: tuple = ()
+
+    @property
+    def must_retry(self) -> bool:
+        return bool(self.deferred)
+
+    def raise_for_rejections(self) -> None:
+        """Raise the first rejection as a RolloutValidationError (rollout id and rule in the message)."""
+        if self.rejected:
+            raise self.rejected[0].error()
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """Where rank `rank`'s shard of step `step` lives. `ray.get(shard_ref.ref)` -> StepShard.
+
+    The ObjectRef is owned by the scheduler (it outlives any producer); nested in this
+    dataclass, Ray hands it over as a reference instead of resolving it.
+    """
+
+    step: int
+    rank: int
+    ref: ray.ObjectRef
+    num_rollouts: int
+    num_samples: int
+    has_layout: bool
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    num_rollouts: int
+    num_samples: int
+    num_tokens: int
+    microbatches_per_rank: tuple[int | None, ...]
+    """Micro-batches each rank runs (all equal on the layout path; None on the legacy path)."""
+    samples_per_rank: tuple[int, ...]
+    tokens_per_rank: tuple[int, ...]
+    layout: str
+    """"rollout_side" or "legacy"."""
+    decision_reason: str
+    trigger: str
+    """"full", "flush", "max_wait", "end_of_dataset" or "end_of_input"."""
+    partial: bool
+    mean_completion_to_emission_s: float
+    max_completion_to_emission_s: float
+    scheduling_latency_s: float
+    """From the moment the step could be formed (its last rollout ready, or the flush) to all shards in the store."""
+    rollout_ids: tuple = ()
+    trained: bool = False
+    metrics: dict[str, tuple[float, float]] | None = None
+    """(sum, count) pairs reduced over every rank's ack."""
+
+
+@dataclass(frozen=True)
+class FlushResult:
+    steps: tuple[int, ...]
+    """Steps emitted by this flush (full ones first, then at most one partial)."""
+    dropped: tuple = ()
+    """Rollout ids dropped by this flush (leftover policy, too small, incomplete at end of input)."""
+    kept: int = 0
+    """Ready rollouts left buffered (carry, or a partial step too small to lay out)."""
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    accepted_samples: int
+    rejected_samples: int
+    deferred_samples: int
+    buffered_rollouts: int
+    buffered_samples: int
+    buffered_tokens: int
+    ready_rollouts: int
+    steps_emitted: int
+    steps_trained: int
+    input_closed: bool
+    ended: bool
+    steps: tuple[StepRecord, ...]
+    ledger: LedgerSummary
+    incomplete_rollouts: tuple[tuple[Hashable, str, str], ...] = ()
+    """(rollout_id, reason, detail) of every rollout closed unfinished at end of input."""
+    rejections: tuple[Rejection, ...] = ()
+    dataset_errors: tuple[str, ...] = ()
+    rollout_states: dict | None = field(default=None)
+    """rollout_id -> (state, step, reason); only when stats(include_rollouts=True)."""
+
+    @property
+    def steps_in_flight(self) -> int:
+        return self.steps_emitted - self.steps_trained

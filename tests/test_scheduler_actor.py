@@ -1,0 +1,201 @@
+"""SchedulerActor on a real in-process Ray: steps, leftovers, validation, backpressure, legacy path.
+
+Each test starts its own named scheduler on the shared `ray_session` and kills it at the end.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import pytest
+import ray
+
+from actors.scheduler_actor import SchedulerConfig, ShardRef, SubmitResult, create_scheduler
+from tests.rollout_factory import many_rollouts, rollout_rows, sample_row
+from tests.scheduler_harness import call, drain, rollouts_of
+from vgbs_ray.config import BatchConfig, ParallelConfig
+from vgbs_ray.errors import (
+    ConfigError, RolloutValidationError, SchedulerStateError, SchedulerTimeoutError, VgbsError,
+)
+
+
+@pytest.fixture
+def scheduler_factory(ray_session):
+    made = []
+
+    def make(name: str, **cfg):
+        batch = cfg.pop("batch")
+        handle = create_scheduler(SchedulerConfig(batch=batch, **cfg), name=name)
+        made.append(handle)
+        return handle
+
+    yield make
+    for handle in made:
+        ray.kill(handle)
+
+
+def push_shuffled(scheduler, rollouts: list[list[dict]], *, seed: int, chunk: int = 5) -> list:
+    """Push every sample, rollouts interleaved in a shuffled order, `chunk` samples per call.
+
+    Returns rollout ids in completion order as the scheduler reported them.
+    """
+    rows = [r for rollout in rollouts for r in rollout]
+    random.Random(seed).shuffle(rows)
+    completed = []
+    for start in range(0, len(rows), chunk):
+        result: SubmitResult = call(scheduler.submit, rows[start:start + chunk])
+        assert result.accepted == len(rows[start:start + chunk]) and not result.rejected and not result.deferred
+        completed += result.completed_rollouts
+    return completed
+
+
+def assert_ledger_closed(stats, pushed_ids: set, *, trained: int, dropped: int = 0, rejected: int = 0):
+    """Every accepted rollout in exactly one state; none trained twice; none disappeared."""
+    states = stats.rollout_states
+    assert pushed_ids <= set(states), f"rollouts vanished: {pushed_ids - set(states)}"
+    by_state = stats.ledger.rollouts_by_state
+    assert by_state["trained"] == trained and by_state["dropped"] == dropped and by_state["rejected"] == rejected
+    assert by_state["buffered"] == 0 and by_state["scheduled"] == 0
+    trained_ids = [rid for step in stats.steps for rid in step.rollout_ids]
+    assert len(trained_ids) == len(set(trained_ids)) == trained  # none in two steps
+    for step in stats.steps:
+        for rid in step.rollout_ids:
+            assert states[rid] == ("trained", step.step, None)
+
+
+def test_32_rollouts_gbs_24_partial_emits_24_then_8(scheduler_factory):
+    gbs, dp = 24, 2
+    scheduler = scheduler_factory("sched-partial", batch=BatchConfig(global_batch_size=gbs, max_tokens_per_gpu=64,
+                                                                     leftover="partial"))
+    decision = call(scheduler.register_train_group, ParallelConfig(dp_size=dp))
+    assert decision.rollout_side
+    rollouts = many_rollouts(32, seed=1, max_samples=3)
+    completed = push_shuffled(scheduler, rollouts, seed=2)
+    assert sorted(completed) == sorted(f"r{i}" for i in range(32))
+    ref = call(scheduler.get_shard, 0, 1, timeout_s=30)  # the full step appears without a flush
+    assert isinstance(ref, ShardRef) and ref.num_rollouts == 24 and ref.has_layout
+    with pytest.raises(SchedulerTimeoutError, match="step 1, rank 0"):
+        call(scheduler.get_shard, 1, 0, timeout_s=0.2)
+    result = call(scheduler.end_of_input)
+    assert result.steps == (1,) and result.dropped == ()
+    steps = drain(scheduler, dp)
+    assert [s[0].num_rollouts for s in steps] == [24, 8]
+    sizes = {f"r{i}": len(r) for i, r in enumerate(rollouts)}
+    seen = {}
+    for k, shards in enumerate(steps):
+        counts = rollouts_of(shards)
+        assert len(counts) == shards[0].num_rollouts
+        for rid, n in counts.items():
+            assert n == sizes[rid] and rid not in seen  # siblings never split, across ranks or steps
+            seen[rid] = k
+        assert len({s.num_microbatches for s in shards}) == 1
+        for shard in shards:  # rollout mask sums cover the whole rollout, across ranks
+            assert all(m == 6 * sizes[rid] for rid, m in zip(shard.rollout_ids, shard.rollout_mask_sums))
+    assert set(steps_ids := [rid for rid, k in seen.items() if k == 0]) == set(completed[:24])  # first completed, first trained
+    assert len(steps_ids) == 24
+    stats = call(scheduler.stats, include_rollouts=True)
+    assert [r.num_rollouts for r in stats.steps] == [24, 8] and [r.partial for r in stats.steps] == [False, True]
+    assert stats.steps[1].trigger == "end_of_input" and all(r.trained for r in stats.steps)
+    assert stats.steps[0].metrics["loss"][1] == stats.steps[0].num_samples  # (sum, count) reduced over ranks
+    assert stats.steps[0].scheduling_latency_s >= 0 and stats.steps[0].microbatches_per_rank[0] >= 1
+    assert_ledger_closed(stats, set(sizes), trained=32)
+    with pytest.raises(SchedulerStateError, match="released"):
+        call(scheduler.get_shard, 0, 0, timeout_s=1)
+    with pytest.raises(SchedulerStateError, match="acknowledged twice|never emitted"):
+        call(scheduler.ack_step, 0, 0, {})
+    with pytest.raises(SchedulerStateError, match="end_of_input"):
+        call(scheduler.submit, rollout_rows("late", 1))
+
+
+def test_drop_policy_emits_24_and_records_8_dropped(scheduler_factory):
+    scheduler = scheduler_factory("sched-drop", batch=BatchConfig(global_batch_size=24, max_tokens_per_gpu=64, leftover="drop"))
+    call(scheduler.register_train_group, ParallelConfig(dp_size=2))
+    rollouts = many_rollouts(32, seed=5)
+    completed = push_shuffled(scheduler, rollouts, seed=6, chunk=7)
+    result = call(scheduler.end_of_input)
+    assert sorted(result.dropped) == sorted(completed[24:])
+    steps = drain(scheduler, 2)
+    assert [s[0].num_rollouts for s in steps] == [24]
+    stats = call(scheduler.stats, include_rollouts=True)
+    assert stats.ledger.dropped_by_reason == {"leftover": 8}
+    assert all(stats.rollout_states[rid][0:3:2] == ("dropped", "leftover") for rid in completed[24:])
+    assert_ledger_closed(stats, set(completed), trained=24, dropped=8)
+
+
+def test_bad_inputs_are_rejected_and_reported_without_disturbing_accepted(scheduler_factory):
+    scheduler = scheduler_factory("sched-bad", batch=BatchConfig(global_batch_size=2, max_tokens_per_gpu=64, leftover="partial"))
+    call(scheduler.register_train_group, ParallelConfig(dp_size=1))
+    good = rollout_rows("ok1", 2) + [sample_row("open", 0, size=2)]
+    bad = [
+        sample_row("bad_mask", 0, size=1, loss_mask=np.ones(3, dtype=np.int8)),
+        sample_row("open", 0, size=2),                      # duplicate of an accepted sample
+        sample_row("open", 1, size=2, reward=-1.0),         # sibling disagrees on reward
+        sample_row("open", 1, size=3),                      # sibling disagrees on rollout_size
+        sample_row("no_adv", 0, size=1, advantage=None),    # no advantage and no group
+    ]
+    result = call(scheduler.submit, good + bad)
+    assert result.accepted == 3 and not result.deferred
+    assert [(r.rollout_id, r.rule) for r in result.rejected] == [
+        ("bad_mask", "mask_length"), ("open", "duplicate_sample"), ("open", "sibling_reward"),
+        ("open", "sibling_rollout_size"), ("no_adv", "missing_advantage")]
+    with pytest.raises(RolloutValidationError, match="'bad_mask'.*mask_length"):
+        result.raise_for_rejections()
+    assert call(scheduler.submit, rollout_rows("ok2", 1)).completed_rollouts == ("ok2",)
+    ref = call(scheduler.get_shard, 0, 0, timeout_s=20)  # ok1 + ok2: one full step
+    late = call(scheduler.submit, [sample_row("ok1", 0, size=2)])
+    assert [(r.rollout_id, r.rule) for r in late.rejected] == [("ok1", "already_scheduled")]
+    with pytest.raises(ConfigError, match="rank 3"):
+        call(scheduler.get_shard, 0, 3, timeout_s=1)
+    shard = ray.get(ref.ref, timeout=30)
+    assert sorted(set(shard.rollout_ids)) == ["ok1", "ok2"]
+    call(scheduler.ack_step, 0, 0, {})
+    result = call(scheduler.end_of_input)
+    assert result.dropped == ("open",)  # incomplete at end: reported, not trained
+    stats = call(scheduler.stats, include_rollouts=True)
+    assert stats.incomplete_rollouts[0][:2] == ("open", "incomplete_rollout")
+    assert stats.ledger.rejected_rollouts_by_rule == {"mask_length": 1, "missing_advantage": 1}
+    assert stats.ledger.rejected_samples_by_rule["already_scheduled"] == 1 and stats.rejected_samples == 6
+    assert_ledger_closed(stats, {"ok1", "ok2", "open"}, trained=2, dropped=1, rejected=2)
+    assert call(scheduler.get_shard, 1, 0, timeout_s=5) is None
+
+
+def test_backpressure_staleness_and_blocking_submit(scheduler_factory):
+    scheduler = scheduler_factory("sched-bp", batch=BatchConfig(global_batch_size=2, max_tokens_per_gpu=64),
+                                  max_buffered_samples=4, max_steps_ahead=1, retry_after_s=0.2)
+    rows = [r for i in range(6) for r in rollout_rows(f"b{i}", 1)]
+    first = call(scheduler.submit, rows)  # no train group yet: nothing leaves the buffer
+    assert first.accepted == 4 and first.deferred == (4, 5) and first.retry_after_s == 0.2
+    assert first.backpressure_reason.startswith("buffer_full") and first.must_retry
+    call(scheduler.register_train_group, ParallelConfig(dp_size=1))
+    call(scheduler.get_shard, 1, 0, timeout_s=20)  # two steps emitted, buffer empty, none trained
+    again = call(scheduler.submit, [rows[i] for i in first.deferred])
+    assert again.deferred == (0, 1) and again.backpressure_reason.startswith("staleness")
+    blocked = scheduler.submit.remote([rows[i] for i in first.deferred], wait_s=20)  # waits for room
+    time.sleep(0.3)
+    assert ray.wait([blocked], timeout=0)[0] == []
+    call(scheduler.ack_step, 0, 0, {})
+    assert ray.get(blocked, timeout=30).accepted == 2
+    stats = call(scheduler.stats)
+    assert stats.deferred_samples == 4 and stats.accepted_samples == 6
+
+
+def test_max_wait_flushes_a_partial_step_and_legacy_path(scheduler_factory):
+    scheduler = scheduler_factory("sched-wait", batch=BatchConfig(global_batch_size=8, max_tokens_per_gpu=64),
+                                  max_wait_s=0.3)
+    call(scheduler.register_train_group, ParallelConfig(dp_size=2), advertise_layout=False)
+    call(scheduler.submit, [r for i in range(3) for r in rollout_rows(f"w{i}", 2)])
+    refs = [call(scheduler.get_shard, 0, rank, timeout_s=20) for rank in range(2)]
+    shards = [ray.get(r.ref, timeout=30) for r in refs]
+    assert [s.num_rollouts for s in shards] == [3, 3] and not any(s.has_layout for s in shards)
+    assert sum(s.num_samples for s in shards) == 6
+    record = call(scheduler.stats).steps[0]
+    assert record.trigger == "max_wait" and record.layout == "legacy" and "did not advertise" in record.decision_reason
+    assert record.max_completion_to_emission_s >= 0.3
+    with pytest.raises(ConfigError, match="dp_size"):
+        call(scheduler.register_train_group, ParallelConfig(dp_size=4))  # a different group after steps
+
+
+def test_errors_are_vgbs_errors():
+    assert issubclass(SchedulerTimeoutError, VgbsError) and issubclass(SchedulerStateError, VgbsError)
