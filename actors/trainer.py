@@ -22,6 +22,7 @@ The GPU path (`backend="nccl"`) runs steps 3-5 with Megatron's schedule, DDP and
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 
@@ -199,12 +200,12 @@ class RankTrainer:
     # -- state --------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Model (this rank's TP shard), optimizer and LR-schedule position."""
-        return {
+        """Model (this rank's TP shard), optimizer and LR-schedule position (a copy, not live views)."""
+        return copy.deepcopy({
             "model": {k: v for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)},
             "optimizer": self.optimizer.state_dict(),
             "consumed_rollouts": self.consumed_rollouts,
-        }
+        })
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"], strict=False)
@@ -221,7 +222,7 @@ class RankTrainer:
                 parts = [torch.empty_like(p.detach()) for _ in range(self.tp_size)]
                 dist.all_gather(parts, p.detach().contiguous(), group=self.tp_group)
                 tensor = torch.cat(parts, dim=p.partition_dim).float().cpu()
-            full[name] = tensor.numpy()
+            full[name] = tensor.numpy().copy()  # never a view of the live parameter
         return full
 
 

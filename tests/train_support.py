@@ -1,0 +1,187 @@
+"""Helpers of the train-step tests: synthetic rollouts, an in-process rank, a naive reference.
+
+`reference_update` is written independently of the packed path on purpose: one sample at a
+time, unpacked (sbhd, no cu_seqlens), the loss spelled out per rollout, so a packing or
+accounting bug in the trainer cannot hide in shared code.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from actors.train_config import ModelConfig, OptimizerConfig, TrainGroupConfig
+from vgbs_ray.lr_schedule import LRScheduleConfig
+from vgbs_ray.sample import Sample, make_rollout
+
+VOCAB = ModelConfig().vocab_size
+
+
+def sgd_config(lr: float = 1.0, **overrides) -> TrainGroupConfig:
+    """Plain SGD without clipping: the update is -lr * gradient (what invariance tests compare)."""
+    return TrainGroupConfig(
+        optimizer=OptimizerConfig(kind="sgd", clip_grad_norm=None, lr_schedule=LRScheduleConfig(lr=lr)),
+        **overrides,
+    )
+
+
+def make_samples(seed: int, num_rollouts: int, *, max_siblings: int = 4, min_len: int = 8, max_len: int = 80,
+                 with_log_probs: bool = True, id_prefix: str = "r") -> list[Sample]:
+    """Rollouts of 1..max_siblings samples with random tokens, masks, advantages, rollout log-probs."""
+    rng = np.random.default_rng(seed)
+    samples: list[Sample] = []
+    for r in range(num_rollouts):
+        rows = []
+        for _ in range(int(rng.integers(1, max_siblings + 1))):
+            length = int(rng.integers(min_len, max_len + 1))
+            response = int(rng.integers(1, length))
+            row = dict(tokens=rng.integers(0, VOCAB, length), response_length=response,
+                       loss_mask=(rng.random(response) < 0.85).astype(np.int8))
+            if with_log_probs:  # around log(1/128) = -4.85, so ratios straddle the clip range
+                row["rollout_log_probs"] = rng.uniform(-5.3, -4.4, response).astype(np.float32)
+            rows.append(row)
+        samples += make_rollout(f"{id_prefix}{r}", rows, reward=float(rng.random()), advantage=float(rng.normal()))
+    return samples
+
+
+_DIST_READY = False
+
+
+def ensure_single_process_group() -> None:
+    """A world-size-1 gloo group and Megatron state in this process (once per process)."""
+    global _DIST_READY
+    if _DIST_READY:
+        return
+    torch.set_num_threads(1)
+    from actors.distributed import find_free_port, init_distributed
+
+    init_distributed(rank=0, world_size=1, master_addr="127.0.0.1", master_port=find_free_port(),
+                     backend="gloo", timeout_s=60, tp_size=1, pp_size=1, cp_size=1)
+    _DIST_READY = True
+
+
+def inprocess_trainer(config: TrainGroupConfig):
+    """A fresh RankTrainer (dp=1, tp=1) in this process, initialised from config.model.seed."""
+    ensure_single_process_group()
+    from actors.train_config import RankInfo
+    from actors.trainer import RankTrainer
+
+    return RankTrainer(config, RankInfo(rank=0, dp_rank=0, tp_rank=0, pp_rank=0, cp_rank=0))
+
+
+def update_between(before: dict, after: dict) -> dict:
+    return {k: after[k].astype(np.float64) - before[k].astype(np.float64) for k in before}
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    """||a - b|| / ||a|| over every parameter together."""
+    num = sum(float(((a[k] - b[k]) ** 2).sum()) for k in a)
+    den = sum(float((a[k] ** 2).sum()) for k in a)
+    return (num / den) ** 0.5
+
+
+def assert_same_update(a: dict, b: dict, rtol: float = 1e-5) -> None:
+    assert set(a) == set(b)
+    rel = relative_difference(a, b)
+    assert rel < rtol, f"updates differ: relative difference {rel:.3e} >= {rtol}"
+    for name in a:  # every tensor moved the same way, not only the global norm. The 3e-7 is
+        # float32 rounding of parameters near 1 (layer norms): an update is after - before.
+        scale = float(np.abs(a[name]).max())
+        worst = float(np.abs(a[name] - b[name]).max())
+        assert worst <= 10 * rtol * scale + 3e-7, f"{name}: max difference {worst:.3e}, update scale {scale:.3e}"
+
+
+def reference_update(model_config: ModelConfig, model_state: dict | None, samples: Sequence[Sample], *,
+                     lr: float, clip_eps: float = 0.2, per_rollout: bool = True) -> dict:
+    """The SGD update -lr * grad of the step loss, computed naively (see module docstring).
+
+    per_rollout=True: mean over rollouts of each rollout's token-weighted mean PPO loss.
+    per_rollout=False: the classic per-sample token mean, averaged over samples.
+    Old log-probs: the samples' rollout log-probs.
+    """
+    ensure_single_process_group()
+    from actors.model import build_gpt_model
+
+    model = build_gpt_model(model_config)
+    if model_state is not None:
+        model.load_state_dict(model_state, strict=False)
+    per_sample = []  # (rollout id, masked loss sum, mask tokens)
+    for s in samples:
+        tokens = torch.as_tensor(s.tokens, dtype=torch.long).unsqueeze(0)
+        logits = model(tokens, torch.arange(s.total_length).unsqueeze(0), None)[0]  # [L, V]
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        start = s.total_length - s.response_length
+        positions = torch.arange(start, s.total_length)
+        new = log_probs[positions - 1, tokens[0, positions]]
+        old = torch.as_tensor(s.rollout_log_probs)
+        ratio = torch.exp(new - old)
+        losses = -torch.minimum(ratio * s.advantage, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * s.advantage)
+        mask = torch.as_tensor(s.loss_mask, dtype=torch.float32)
+        per_sample.append((s.rollout_id, (losses * mask).sum(), mask.sum()))
+    if per_rollout:
+        rollouts: dict = {}
+        for rid, total, count in per_sample:
+            t, c = rollouts.get(rid, (0.0, 0.0))
+            rollouts[rid] = (t + total, c + count)
+        loss = sum(t / max(float(c), 1.0) for t, c in rollouts.values()) / len(rollouts)
+    else:
+        loss = sum(t / max(float(c), 1.0) for _, t, c in per_sample) / len(per_sample)
+    loss.backward()
+    return {name: (-lr * p.grad.double()).numpy() for name, p in model.named_parameters()}
+
+
+# -- a two-process step that records every collective (used by test_train_step) --------
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+               "reduce", "barrier", "all_to_all_single", "send", "recv", "isend", "irecv")
+
+
+def record_collectives_worker(rank: int, port: int, shards_by_phase: dict, results) -> None:
+    """Spawned per rank: join a 2-rank gloo group, train each phase's shard, record collectives.
+
+    The patch lives only in this spawned process and only around `train_shard`.
+    """
+    try:
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+
+        from actors.distributed import init_distributed
+        from actors.trainer import RankTrainer
+
+        info = init_distributed(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
+                                backend="gloo", timeout_s=60, tp_size=1, pp_size=1, cp_size=1)
+        trainer = RankTrainer(sgd_config(dp_size=2), info)
+        recorded: list = []
+
+        def wrap(name, original):
+            def recording(*args, **kwargs):
+                op = kwargs.get("op", args[1] if name == "all_reduce" and len(args) > 1 else None)
+                tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                recorded.append((name, None if op is None else str(op).split(".")[-1],
+                                 None if tensor is None else int(tensor.numel())))
+                return original(*args, **kwargs)
+            return recording
+
+        originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+        by_phase = {}
+        for phase, shards in shards_by_phase.items():
+            recorded.clear()
+            for name, original in originals.items():
+                setattr(dist, name, wrap(name, original))
+            try:
+                result = trainer.train_shard(shards[info.dp_rank])
+            finally:
+                for name, original in originals.items():
+                    setattr(dist, name, original)
+            by_phase[phase] = (list(recorded), result.num_microbatches)
+        num_params = sum(p.numel() for p in trainer.params)
+        results.put((rank, by_phase, num_params, None))
+    except BaseException as error:  # report, never hang the parent
+        results.put((rank, None, None, repr(error)))
+    finally:
+        results.close()
+        results.join_thread()  # flush the result before the hard exit
+        os._exit(0)  # skip gloo / Megatron teardown in the child
