@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	$(PY) -m jobs.demo_schedule
+	$(PY) -m jobs.train
 
 test: setup
 	$(PY) -m pytest -q

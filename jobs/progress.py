@@ -59,18 +59,16 @@ def plot_records(records: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
-    bars = top.bar(steps, [r["num_rollouts"] for r in records], color="tab:blue")
-    for bar, record in zip(bars, records):
-        if record["partial"]:
-            bar.set_hatch("//")
-            bar.set_color("tab:orange")
-    top.set_ylabel("rollouts per step")
-    top.set_title("variable global batch: rollouts per step (orange = partial)")
-    bottom.plot(steps, [r["loss"] for r in records], marker="o", label="loss")
-    bottom.plot(steps, [r["reward"] for r in records], marker="s", label="reward")
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(7, 6.5), sharex=True)
+    colors = ["tab:orange" if r["partial"] else "tab:blue" for r in records]
+    top.bar(steps, [r["num_rollouts"] for r in records], color=colors)
+    top.set_ylabel("rollouts")
+    top.set_title("rollouts per step (orange: partial step)")
+    middle.plot(steps, [r["loss"] for r in records], marker="o", color="tab:red")
+    middle.set_ylabel("loss")
+    bottom.plot(steps, [r["reward"] for r in records], marker="s", color="tab:green")
+    bottom.set_ylabel("reward")
     bottom.set_xlabel("step")
-    bottom.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

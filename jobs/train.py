@@ -61,9 +61,8 @@ def init_ray(config: JobConfig) -> bool:
     return False
 
 
-def check_cluster_fits(config: JobConfig) -> None:
+def check_cluster_fits(config: JobConfig, resources: dict[str, float]) -> None:
     """Impossible parallel sizes for this cluster fail now, not as a placement group that waits forever."""
-    resources = ray.cluster_resources()
     train = config.train
     needed = {"CPU": train.world_size * train.num_cpus_per_actor}
     if train.on_gpu:
@@ -171,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     records_path = args.records or os.path.join(out, "steps.jsonl")
     started_ray = init_ray(config)
     try:
-        check_cluster_fits(config)
+        check_cluster_fits(config, ray.cluster_resources())
         summary = train(config, records_path)
     finally:
         if started_ray:

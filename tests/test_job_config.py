@@ -1,0 +1,97 @@
+"""The job's configuration: defaults, overrides, start-up errors, and cluster.yaml vs the README."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from jobs.job_config import load_job_config, options_help
+from jobs.train import check_cluster_fits
+from vgbs_ray.errors import ConfigError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_embedded_default_is_the_tiny_local_run():
+    config = load_job_config()
+    assert config.run.ray_address == "local"
+    assert config.train.backend == "gloo" and config.train.dp_size == 2
+    assert config.scheduler.batch.global_batch_size == 8 and config.scheduler.batch.leftover == "partial"
+
+
+def test_overrides_change_only_the_named_keys():
+    config = load_job_config(None, ["scheduler.batch.global_batch_size=6", "train.model.hidden_size=32",
+                                    "producers.rollouts.max_samples_per_rollout=2"])
+    assert config.scheduler.batch.global_batch_size == 6
+    assert config.scheduler.batch.max_tokens_per_gpu == 512  # kept from the default
+    assert config.train.model.hidden_size == 32 and config.train.model.num_layers == 2
+    assert config.producers.rollouts.max_samples_per_rollout == 2
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["run.stepz=3"], r"unknown config key\(s\) \['run.stepz'\].*num_steps"),
+        (["train.model.hiden_size=3"], r"train.model.hiden_size"),
+        (["scheduler.batch.max_tokens_per_gpu=null", "scheduler.batch.micro_batch_size=3"],
+         r"step_size % \(dp_size \* micro_batch_size \* mb_group\) == 0"),
+        (["scheduler.batch.global_batch_size=1"], r"global_batch_size=1 rollouts is fewer than"),
+        (["producers.rollouts.max_sequence_length=1024"], r"exceeds train.model.max_sequence_length"),
+        (["train.tp_size=3"], r"tp_size=3 must divide"),
+        (["scheduler.batch.balance=fast"], r"balance must be one of"),
+        (["run"], r"section.key=value"),
+    ],
+)
+def test_wrong_configs_fail_at_start_up_with_the_fix(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_job_config(None, overrides)
+
+
+def test_parallel_sizes_the_cluster_cannot_hold_fail_before_any_actor():
+    config = load_job_config(None, ["train.dp_size=4", "train.tp_size=2"])
+    with pytest.raises(ConfigError, match=r"needs 8 CPU .* cluster has 4"):
+        check_cluster_fits(config, {"CPU": 4.0})
+    check_cluster_fits(config, {"CPU": 8.0})
+    gpu = load_job_config(None, ["train.backend=nccl"])
+    with pytest.raises(ConfigError, match="GPU"):
+        check_cluster_fits(gpu, {"CPU": 64.0})
+
+
+def test_help_lists_every_option_with_its_doc():
+    text = options_help()
+    for key in ("run.num_steps", "scheduler.batch.global_batch_size", "train.model.hidden_size",
+                "producers.group_size", "scheduler.max_steps_ahead"):
+        assert key in text
+    assert "Rollouts per optimizer step (not samples)." in text
+    result = subprocess.run([sys.executable, "-m", "jobs.train", "--help"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "scheduler.batch.global_batch_size" in result.stdout
+
+
+def test_a_bad_config_exits_with_a_message_not_a_traceback():
+    result = subprocess.run([sys.executable, "-m", "jobs.train", "--set", "run.bogus=1"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "config error: unknown config key(s) ['run.bogus']" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_cluster_yaml_names_the_setup_the_readme_describes():
+    cluster = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    readme = (ROOT / "README.md").read_text()
+    head = cluster["available_node_types"][cluster["head_node_type"]]
+    workers = {name: node for name, node in cluster["available_node_types"].items() if name != cluster["head_node_type"]}
+    assert "GPU" not in head["resources"]
+    gpus = sum(node["resources"]["GPU"] * node["min_workers"] for node in workers.values())
+    # The job config the README points cluster users at fills exactly those GPUs.
+    job = load_job_config(str(ROOT / "jobs/configs/cluster_16gpu.yaml"))
+    assert job.train.backend == "nccl" and job.train.world_size == gpus
+    assert "pip install -e ." in " ".join(cluster["setup_commands"])
+    for name in workers:
+        assert name in readme
+    assert "ray up cluster.yaml" in readme and "jobs/configs/cluster_16gpu.yaml" in readme
+    assert f"{gpus} GPUs" in readme
