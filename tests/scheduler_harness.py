@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import ray
+
+from tests.rollout_factory import rollout_rows
 
 from vgbs_ray.shard import StepShard
 
@@ -37,3 +41,30 @@ def rollouts_of(step_shards: list[StepShard]) -> dict:
         for rid in shard.rollout_ids:
             counts[rid] = counts.get(rid, 0) + 1
     return counts
+
+
+# Ray pickles these by module reference: they live here, importable by workers as tests.scheduler_harness.
+class Producer:
+    """A fully-async producer: finds the scheduler by name, pushes siblings in separate calls."""
+
+    def run(self, scheduler_name: str, num_rollouts: int) -> list:
+        scheduler = ray.get_actor(scheduler_name)
+        pending = [r for i in range(num_rollouts) for r in rollout_rows(f"p{i}", 2)]
+        pending = pending[0::2] + pending[1::2]  # every rollout's second sample comes much later
+        completed = []
+        while pending:
+            batch, pending = pending[:3], pending[3:]
+            result = ray.get(scheduler.submit.remote(batch), timeout=60)
+            assert not result.rejected, result.rejected
+            pending = [batch[i] for i in result.deferred] + pending  # backpressure: resubmit exactly those
+            if result.deferred:
+                time.sleep(result.retry_after_s)
+            completed += result.completed_rollouts
+            time.sleep(0.05)
+        return completed
+
+
+def slow_first_blocks(batch: dict) -> dict:
+    """Uneven stage: blocks holding early rows take longest, so later rows finish first."""
+    time.sleep(1.5 if batch["seq"].min() < 8 else 0.0)
+    return batch

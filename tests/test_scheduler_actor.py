@@ -95,7 +95,7 @@ def test_32_rollouts_gbs_24_partial_emits_24_then_8(scheduler_factory):
             assert all(m == 6 * sizes[rid] for rid, m in zip(shard.rollout_ids, shard.rollout_mask_sums))
     assert set(steps_ids := [rid for rid, k in seen.items() if k == 0]) == set(completed[:24])  # first completed, first trained
     assert len(steps_ids) == 24
-    stats = call(scheduler.stats, include_rollouts=True)
+    stats = call(scheduler.stats, include_rollouts=True, check_ledger=True)
     assert [r.num_rollouts for r in stats.steps] == [24, 8] and [r.partial for r in stats.steps] == [False, True]
     assert stats.steps[1].trigger == "end_of_input" and all(r.trained for r in stats.steps)
     assert stats.steps[0].metrics["loss"][1] == stats.steps[0].num_samples  # (sum, count) reduced over ranks
@@ -118,7 +118,7 @@ def test_drop_policy_emits_24_and_records_8_dropped(scheduler_factory):
     assert sorted(result.dropped) == sorted(completed[24:])
     steps = drain(scheduler, 2)
     assert [s[0].num_rollouts for s in steps] == [24]
-    stats = call(scheduler.stats, include_rollouts=True)
+    stats = call(scheduler.stats, include_rollouts=True, check_ledger=True)
     assert stats.ledger.dropped_by_reason == {"leftover": 8}
     assert all(stats.rollout_states[rid][0:3:2] == ("dropped", "leftover") for rid in completed[24:])
     assert_ledger_closed(stats, set(completed), trained=24, dropped=8)
@@ -153,7 +153,7 @@ def test_bad_inputs_are_rejected_and_reported_without_disturbing_accepted(schedu
     call(scheduler.ack_step, 0, 0, {})
     result = call(scheduler.end_of_input)
     assert result.dropped == ("open",)  # incomplete at end: reported, not trained
-    stats = call(scheduler.stats, include_rollouts=True)
+    stats = call(scheduler.stats, include_rollouts=True, check_ledger=True)
     assert stats.incomplete_rollouts[0][:2] == ("open", "incomplete_rollout")
     assert stats.ledger.rejected_rollouts_by_rule == {"mask_length": 1, "missing_advantage": 1}
     assert stats.ledger.rejected_samples_by_rule["already_scheduled"] == 1 and stats.rejected_samples == 6
