@@ -4,8 +4,8 @@ Attention. Micro-batches are THD packed sequences; Megatron's local `DotProductA
 rejects packed sequences (and allocates on CUDA), so:
 - GPU with Transformer Engine installed: Megatron's TE layer spec and its own attention.
 - otherwise (CPU, or GPU without TE): the local spec with `core_attention` swapped for
-  `SDPAAttention` below (scaled_dot_product_attention with a block-diagonal causal mask
-  built from `cu_seqlens`).
+  `SDPAAttention` below (scaled_dot_product_attention, causal within each packed sequence
+  as `cu_seqlens` delimits it: a token never sees another sequence).
 Positions are learned absolute embeddings (RoPE asks for a CUDA device on CPU, PLATFORM_NOTES).
 On CPU every fusion is off. With `use_cpu_initialization` the full weights are drawn from torch's generator and
 then split, so a TP=2 model starts from exactly the TP=1 weights for the same seed.
@@ -33,8 +33,9 @@ class SDPAAttention(MegatronModule):
     """Core attention on `F.scaled_dot_product_attention`, for CPU.
 
     Inputs are [s, b, heads, dim] (sbhd, causal) or, with THD packed sequences,
-    [t, heads, dim] and `packed_seq_params.cu_seqlens_q`; outputs [s, b, heads * dim] and
-    [t, heads * dim]. Grouped-query keys and values are repeated to the query heads.
+    [t, heads, dim] and `packed_seq_params.cu_seqlens_q` (causal within each sequence, i.e.
+    a block-diagonal causal mask); outputs [s, b, heads * dim] and [t, heads * dim].
+    Grouped-query keys and values are repeated to the query heads.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type, attention_type: str,
@@ -54,26 +55,22 @@ class SDPAAttention(MegatronModule):
             key = key.repeat_interleave(repeat, dim=-2)
             value = value.repeat_interleave(repeat, dim=-2)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            mask = block_causal_mask(packed_seq_params.cu_seqlens_q, query.shape[0], query.device)
-            q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, h, t, d]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                 scale=self.softmax_scale)
-            return out.squeeze(0).transpose(0, 1).reshape(query.shape[0], -1)
+            # One causal attention per packed sequence: the cost is sum(L_i^2) like varlen flash
+            # attention on GPU, not T^2 of the whole row (which a block-diagonal mask would cost).
+            bounds = packed_seq_params.cu_seqlens_q.tolist()
+            if bounds[-1] != query.shape[0]:
+                raise ValueError(f"cu_seqlens covers {bounds[-1]} tokens but the micro-batch has {query.shape[0]}")
+            outputs = []
+            for start, end in zip(bounds[:-1], bounds[1:]):
+                q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))  # [h, L, d]
+                outputs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
+                                                              scale=self.softmax_scale).transpose(0, 1))
+            return torch.cat(outputs, dim=0).reshape(query.shape[0], -1)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
                                              scale=self.softmax_scale)
         seq, batch = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
-
-
-def block_causal_mask(cu_seqlens: torch.Tensor, total: int, device) -> torch.Tensor:
-    """[t, t] bool: True where token i may attend token j (same sequence, j <= i)."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.long)
-    sequence_of = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths.to(device))
-    if sequence_of.numel() != total:
-        raise ValueError(f"cu_seqlens covers {sequence_of.numel()} tokens but the micro-batch has {total}")
-    same = sequence_of.unsqueeze(0) == sequence_of.unsqueeze(1)
-    return torch.tril(same)
 
 
 def transformer_config(config: ModelConfig, *, tp_size: int, pp_size: int, cp_size: int,
