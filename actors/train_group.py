@@ -80,9 +80,12 @@ class TrainGroup:
         """What the scheduler lays steps out for (dp, cp, vpp, micro-batch group)."""
         return self.config.parallel_config
 
-    def register_with(self, scheduler) -> None:
-        """Advertise this group's parallel config to a SchedulerActor (makes rollout-side layout eligible)."""
-        ray.get(scheduler.register_train_group.remote(self.parallel_config), timeout=60)
+    def register_with(self, scheduler, *, advertise_layout: bool = True):
+        """Advertise this group's parallel config to a SchedulerActor; returns its scheduling decision.
+
+        advertise_layout=False asks for the legacy path (no rollout-side layout).
+        """
+        return ray.get(scheduler.register_train_group.remote(self.parallel_config, advertise_layout), timeout=60)
 
     # -- steps --------------------------------------------------------------------------
 

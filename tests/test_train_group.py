@@ -148,3 +148,21 @@ def test_steps_pulled_from_the_scheduler_actor(dp2_group):
             assert record.metrics["loss"] == pytest.approx(result.metric_pairs["loss"], rel=1e-6)
     finally:
         ray.kill(scheduler)
+
+
+@pytest.mark.slow
+def test_legacy_path_through_the_scheduler_actor(dp2_group):
+    from actors.scheduler_actor import SchedulerConfig, create_scheduler
+
+    scheduler = create_scheduler(SchedulerConfig(batch=BatchConfig(global_batch_size=6, max_tokens_per_gpu=120)),
+                                 name="train-group-legacy-scheduler")
+    try:
+        decision = dp2_group.register_with(scheduler, advertise_layout=False)
+        assert not decision.rollout_side
+        samples = make_samples(25, 6, id_prefix="legacy")
+        assert ray.get(scheduler.submit.remote(samples), timeout=60).accepted == len(samples)
+        result = dp2_group.train_step(0, scheduler, shard_timeout_s=30)
+        assert result.path == "legacy" and result.num_rollouts == 6
+        assert result.metric_pairs["loss"][1] == pytest.approx(6)
+    finally:
+        ray.kill(scheduler)
