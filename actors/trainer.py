@@ -60,6 +60,8 @@ class RankTrainer:
         self.model = build_gpt_model(config.model, tp_size=config.tp_size, on_gpu=config.on_gpu)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.consumed_rollouts = 0
+        # Collective buffers live where the backend wants them (NCCL: CUDA tensors only).
+        self.device = torch.device("cuda") if config.on_gpu else torch.device("cpu")
         self.gpu = None
         if config.on_gpu:
             from actors.megatron_gpu import GpuStepRunner
@@ -105,7 +107,7 @@ class RankTrainer:
         # Legacy path: this rank's own packing; the ranks must agree on the count (pipeline
         # stages and DP all-reduces run in lockstep), hence the all-reduce(MAX).
         own = legacy_micro_batches(shard.total_lengths, self.config.loss.legacy_max_tokens_per_microbatch)
-        count = torch.tensor([len(own)], dtype=torch.int64)
+        count = torch.tensor([len(own)], dtype=torch.int64, device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
         log.info("step %d dp rank %d: legacy path (no layout), %d own micro-batches, all-reduce(MAX) -> %d",
                  shard.step, self.info.dp_rank, len(own), int(count))
@@ -128,7 +130,7 @@ class RankTrainer:
 
     def response_log_probs(self, mb: PackedMicroBatch) -> torch.Tensor:
         """Log-probs of the micro-batch's response tokens under the current model (flat, [R])."""
-        device = torch.device("cuda") if self.config.on_gpu else torch.device("cpu")
+        device = self.device
         logits = self.model(mb.tokens.to(device), mb.position_ids.to(device), None,
                             packed_seq_params=packed_seq_params(mb.cu_seqlens.to(device), mb.max_seqlen))
         logits = logits[0].float()  # [T, vocab / tp]
@@ -191,10 +193,10 @@ class RankTrainer:
     def _all_reduce_metrics(self, local: MetricPairs) -> MetricPairs:
         """One SUM over DP of every metric's (sum, count); TP peers hold identical copies."""
         values = torch.tensor([v for name in METRIC_NAMES for v in local.get(name, (0.0, 0.0))],
-                              dtype=torch.float64)
+                              dtype=torch.float64, device=self.device)
         if self.dp_size > 1:
             dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.dp_group)
-        pairs = values.view(-1, 2).tolist()
+        pairs = values.view(-1, 2).cpu().tolist()
         return {name: (total, count) for name, (total, count) in zip(METRIC_NAMES, pairs)}
 
     # -- state --------------------------------------------------------------------------
