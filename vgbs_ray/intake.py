@@ -40,7 +40,7 @@ from typing import Any, Hashable, Sequence
 from vgbs_ray.advantages import DEFAULT_EPS, group_advantages, is_uniform_group
 from vgbs_ray.errors import ConfigError, RolloutValidationError
 from vgbs_ray.ledger import Ledger, RolloutState
-from vgbs_ray.sample import Sample, check_sibling, validate_rollout, validate_sample
+from vgbs_ray.sample import Sample, check_sibling, validate_sample
 
 UNIFORM_GROUP_REASON = "uniform_group_reward"
 
@@ -116,6 +116,17 @@ class _Group:
     rewards: dict = field(default_factory=dict)          # complete member -> reward
     members: set = field(default_factory=set)            # every member seen
     waiting: dict = field(default_factory=dict)          # member needing advantage -> (samples, completed_at)
+
+
+def _check_whole_rollout(samples: Sequence[Sample]) -> None:
+    """`validate_rollout` minus the per-sample rules, which `ingest` already checked."""
+    first, seen = samples[0], set()
+    for sample in samples:
+        check_sibling(first, sample)
+        if sample.sample_index in seen:
+            raise RolloutValidationError(first.rollout_id, "duplicate_sample",
+                                         f"sample_index {sample.sample_index} appears twice", sample_index=sample.sample_index)
+        seen.add(sample.sample_index)
 
 
 class RolloutIntake:
@@ -209,7 +220,7 @@ class RolloutIntake:
         if rid not in self._open and samples[0].rollout_size is None:
             # A whole rollout in this call: accept or reject it as a unit.
             try:
-                validate_rollout(samples)
+                _check_whole_rollout(samples)
                 if len({s.advantage is None for s in samples}) > 1:
                     raise RolloutValidationError(rid, "sibling_advantage",
                                                  "siblings must all carry an advantage or all leave it to the group")
@@ -219,6 +230,9 @@ class RolloutIntake:
                     self._reject(out, rid, s.sample_index, e.rule, e.detail)
                 return
             self._open[rid] = _Open(samples[0], {}, expected=len(samples))
+            for s in samples:
+                self._accept(rid, self._open[rid], s, now, out)
+            return
         for s in samples:
             self._add_to_open(rid, s, now, out)
 
@@ -257,6 +271,10 @@ class RolloutIntake:
             return
         if entry is None:
             entry = self._open[rid] = _Open(sample, {}, expected=sample.rollout_size)
+        self._accept(rid, entry, sample, now, out)
+
+    def _accept(self, rid, entry: _Open, sample: Sample, now: float, out: IngestOutcome) -> None:
+        """Buffer a sample that passed every check; complete its rollout when it is the last."""
         if sample.group_id is not None:
             self._groups.setdefault(sample.group_id, _Group(size=sample.group_size)).members.add(rid)
         entry.samples[sample.sample_index] = sample

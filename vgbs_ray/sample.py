@@ -147,7 +147,7 @@ def validate_sample(sample: Sample) -> None:
             "mask_length",
             f"len(loss_mask)={sample.loss_mask.size} must equal response_length={sample.response_length}",
         )
-    if sample.loss_mask.size and not np.isin(sample.loss_mask, (0, 1)).all():
+    if sample.loss_mask.size and not ((sample.loss_mask == 0) | (sample.loss_mask == 1)).all():  # np.isin is 10x slower
         bad = sample.loss_mask[~np.isin(sample.loss_mask, (0, 1))][0]
         fail("mask_values", f"loss_mask values must be 0 or 1, found {bad!r}")
     if sample.rollout_log_probs is not None and sample.rollout_log_probs.size != sample.response_length:
