@@ -189,12 +189,15 @@ class SchedulerActor(EmissionMixin):
                             backpressure_reason=(reason or "buffer_full") if pending else None,
                             completed_rollouts=tuple(completed))
 
-    def consume_dataset(self, dataset: "ray.data.Dataset", end_input_when_done: bool = False) -> None:
+    def consume_dataset(self, dataset: "ray.data.Dataset", end_input_when_done: bool = False,
+                        flush_when_done: bool = True) -> None:
         """Start consuming `dataset` rows in completion order on a background thread; returns at once.
 
         Each row is one sample (`Sample.from_dict` keys); a row without `rollout_size` is a
-        one-sample rollout. When the stream ends, a flush runs (trigger "end_of_dataset"), or
-        `end_of_input` when `end_input_when_done`. Errors of the stream land in stats().dataset_errors.
+        one-sample rollout. When the stream ends: `end_of_input` if `end_input_when_done`, else
+        a flush (trigger "end_of_dataset": a partial step per the leftover policy) if
+        `flush_when_done`. A consumer never defers: it waits for room (Ray Data backs off
+        upstream). Errors of the stream land in stats().dataset_errors.
         """
         try:
             dataset.context.execution_options.preserve_order = False  # completion order, not input order
@@ -204,7 +207,7 @@ class SchedulerActor(EmissionMixin):
             if self._input_closed:
                 raise SchedulerStateError(f"scheduler {self.name!r}: end_of_input() was called; no more datasets")
             self._active_datasets += 1
-        threading.Thread(target=self._consume, args=(dataset, end_input_when_done),
+        threading.Thread(target=self._consume, args=(dataset, end_input_when_done, flush_when_done),
                          name=f"{self.name}-dataset", daemon=True).start()
 
     def flush(self, timeout_s: float = 60.0) -> FlushResult:
@@ -283,7 +286,7 @@ class SchedulerActor(EmissionMixin):
         self.metrics.on_buffer(self.intake.num_buffered_rollouts, self.intake.buffered_samples,
                                self._next_step - self._steps_trained)
 
-    def _consume(self, dataset, end_input_when_done: bool) -> None:
+    def _consume(self, dataset, end_input_when_done: bool, flush_when_done: bool) -> None:
         try:
             for row in dataset.iter_rows():
                 with self._cond:
@@ -306,7 +309,7 @@ class SchedulerActor(EmissionMixin):
                 with self._cond:
                     self._input_closed = True
                 self._enqueue("end_of_input", end_of_input=True)
-            else:
+            elif flush_when_done:
                 self._enqueue("end_of_dataset", end_of_input=False)
 
 def create_scheduler(config: SchedulerConfig, name: str = DEFAULT_NAME, *, namespace: str | None = None,

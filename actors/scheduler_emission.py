@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import ray
 
 from actors.scheduler_api import FlushResult, StepRecord
-from vgbs_ray.errors import ScheduleError, SchedulerTimeoutError
+from vgbs_ray.errors import ScheduleError, SchedulerStateError, SchedulerTimeoutError
 from vgbs_ray.intake import ReadyRollout
 from vgbs_ray.stepping import leftover_action, leftover_drop_reason, plan_step
 
@@ -32,6 +32,7 @@ class _FlushTicket:
     created_at: float
     done: bool = False
     result: FlushResult | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -62,6 +63,8 @@ class EmissionMixin:
                         f"{ticket.trigger} not done after {timeout_s} s: train group registered: "
                         f"{self._parallel is not None}, datasets still running: {self._active_datasets}")
                 self._cond.wait(remaining)
+            if ticket.error is not None:
+                raise SchedulerStateError(f"{ticket.trigger} failed in the scheduler: {ticket.error}")
             return ticket.result
 
     def _next_job(self):
@@ -73,8 +76,9 @@ class EmissionMixin:
             if ticket.end_of_input and self._active_datasets:
                 continue  # end of input waits for running datasets
             needs_layout = leftover_action(self.config.batch.leftover, end_of_input=ticket.end_of_input) == "partial"
-            if self._parallel is None and needs_layout and self.intake.num_ready:
-                continue
+            ready = self.intake.num_ready
+            if self._parallel is None and ((needs_layout and ready) or ready >= gbs):
+                continue  # waits for register_train_group: never drop what could form a step
             self._tickets.remove(ticket)
             return ("ticket", ticket)
         wait = self.config.max_wait_s
@@ -101,6 +105,10 @@ class EmissionMixin:
                     self._run_ticket(job[1])
             except Exception as e:  # noqa: BLE001 - a bug must not kill the emitter silently
                 self.log.exception("%s: emitter failed on %s: %r", self.name, job[0], e)
+                if job[0] == "ticket":
+                    with self._cond:
+                        job[1].error, job[1].done = repr(e), True
+                        self._cond.notify_all()
 
     def _idle_wait_s(self) -> float:
         if self.config.max_wait_s is None:

@@ -199,3 +199,21 @@ def test_max_wait_flushes_a_partial_step_and_legacy_path(scheduler_factory):
 
 def test_errors_are_vgbs_errors():
     assert issubclass(SchedulerTimeoutError, VgbsError) and issubclass(SchedulerStateError, VgbsError)
+
+
+def test_carry_policy_flush_waits_for_train_group_and_drops_at_end(scheduler_factory):
+    scheduler = scheduler_factory("sched-carry", batch=BatchConfig(global_batch_size=4, max_tokens_per_gpu=64, leftover="carry"))
+    call(scheduler.submit, [r for i in range(6) for r in rollout_rows(f"c{i}", 1)])
+    flushing = scheduler.flush.remote(timeout_s=30)
+    time.sleep(0.3)
+    assert ray.wait([flushing], timeout=0)[0] == []  # 4 ready rollouts are a step: wait for the train group
+    call(scheduler.register_train_group, ParallelConfig(dp_size=1))
+    assert ray.get(flushing, timeout=30).kept == 2  # carried: they wait for the next step
+    ref = call(scheduler.get_shard, 0, 0, timeout_s=10)
+    assert ref.num_rollouts == 4
+    call(scheduler.ack_step, 0, 0, {})
+    result = call(scheduler.end_of_input)
+    assert sorted(result.dropped) == ["c4", "c5"]
+    stats = call(scheduler.stats, include_rollouts=True, check_ledger=True)
+    assert stats.ledger.dropped_by_reason == {"carried_at_end_of_input": 2}
+    assert_ledger_closed(stats, {f"c{i}" for i in range(6)}, trained=4, dropped=2)
