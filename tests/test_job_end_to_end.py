@@ -7,10 +7,12 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -88,10 +90,11 @@ def test_ray_job_submit_runs_the_job_and_the_node_exports_per_step_rollouts(tmp_
     gcs_port, dashboard_port, metrics_port = free_port(), free_port(), free_port()
     ray = str(pathlib.Path(sys.executable).with_name("ray"))
     log = open(tmp_path / "head.log", "w")
+    ray_temp_dir = tempfile.mkdtemp(prefix="vgbs-", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
     head = subprocess.Popen(
         [ray, "start", "--head", "--block", f"--port={gcs_port}", f"--dashboard-port={dashboard_port}",
          "--dashboard-host=127.0.0.1", f"--metrics-export-port={metrics_port}", "--num-cpus=8",
-         f"--temp-dir={tmp_path / 'ray'}"],
+         f"--temp-dir={ray_temp_dir}"],
         env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     address = f"http://127.0.0.1:{dashboard_port}"
@@ -102,7 +105,8 @@ def test_ray_job_submit_runs_the_job_and_the_node_exports_per_step_rollouts(tmp_
                 urllib.request.urlopen(address + "/api/version", timeout=2)
                 break
             except OSError:
-                assert time.monotonic() < deadline, (tmp_path / "head.log").read_text()[-3000:]
+                alive = head.poll() is None and time.monotonic() < deadline
+                assert alive, (tmp_path / "head.log").read_text()[-3000:]
                 time.sleep(0.5)
         submitted = subprocess.run(
             [ray, "job", "submit", "--address", address, "--working-dir", ".", "--no-wait", "--",
@@ -115,16 +119,18 @@ def test_ray_job_submit_runs_the_job_and_the_node_exports_per_step_rollouts(tmp_
         from ray.job_submission import JobStatus, JobSubmissionClient
 
         client = JobSubmissionClient(address)
-        step_rollouts = None
+        step_rollouts, finished_at = None, None
         deadline = time.monotonic() + 600
+        # Scrape the node's metrics while the job runs (and briefly after: export is periodic).
         while time.monotonic() < deadline:
             status = client.get_job_status(submission_id)
             found = re.search(r'^ray_vgbs_scheduler_step_rollouts\{[^}]*\} ([0-9.]+)', scrape(metrics_port), re.M)
             if found:
                 step_rollouts = float(found.group(1))
-            if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED) and (
-                    step_rollouts is not None or status != JobStatus.SUCCEEDED):
-                break
+            if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+                finished_at = finished_at or time.monotonic()
+                if step_rollouts is not None or time.monotonic() - finished_at > 20:
+                    break
             time.sleep(1)
         logs = client.get_job_logs(submission_id)
         assert status == JobStatus.SUCCEEDED, logs[-3000:]
@@ -138,3 +144,4 @@ def test_ray_job_submit_runs_the_job_and_the_node_exports_per_step_rollouts(tmp_
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
         log.close()
+        shutil.rmtree(ray_temp_dir, ignore_errors=True)
