@@ -92,7 +92,17 @@ class TrainGroup:
     def train_step(self, step: int, scheduler, *, shard_timeout_s: float | None = None) -> StepResult | None:
         """Every rank pulls its shard of `step` from the scheduler, trains and acks; None when the stream ended."""
         wait_s = shard_timeout_s if shard_timeout_s is not None else self.config.step_timeout_s
-        results = self._gather([actor.train_step.remote(step, scheduler, wait_s) for actor in self.actors],
+        # Wait for the step here first, so each rank's task can carry the step's rollout count in
+        # its name: the Ray dashboard's task list then shows per-step rollouts without Grafana.
+        try:
+            first = ray.get(scheduler.get_shard.remote(step, 0, timeout_s=wait_s), timeout=wait_s + 30)
+        except ray.exceptions.RayTaskError as error:
+            raise TrainStepError(f"step {step}: the scheduler has no shard for it: {error.cause!r}") from error
+        if first is None:
+            return None
+        task_name = f"train_step step={step} rollouts={first.num_rollouts}"
+        results = self._gather([actor.train_step.options(name=task_name).remote(step, scheduler, wait_s)
+                                for actor in self.actors],
                                self.config.step_timeout_s + wait_s, f"step {step}")
         if all(r is None for r in results):
             return None

@@ -30,7 +30,9 @@ _TARGET_IMBALANCE = 0.004
 # ...or after this many improving moves per rank, or this many fruitless pair searches per
 # rank (a step packed to the brim leaves no room to move into: stop looking, not balancing).
 _MAX_MOVES_PER_RANK = 40
-_MAX_FRUITLESS_PAIRS_PER_RANK = 8
+_MAX_FRUITLESS_PAIRS_PER_RANK = 4
+# Swap candidates per heavy sample: this many light samples each side of a target weight.
+_SWAP_WINDOW = np.arange(-6, 6)
 
 
 def distribute(
@@ -176,21 +178,31 @@ def _improve_pair(assignment, loads, heavy, light, h: _RankView, l: _RankView, w
             a = int(np.argmin(score))
             best = (score[a], "move", a, target_bin)
     # Swap a (heavy) with b (light): transfer w_a - w_b in (0, gap), both bins stay under the cap.
-    transfer = h_weights[:, None] - l_weights[None, :]
-    token_delta = h_tokens[:, None] - l_tokens[None, :]
-    ok = (
-        movable_h[:, None]
-        & (l_tokens[None, :] <= cap)
-        & (transfer > 0)
-        & (transfer < gap)
-        & (l_bin_tokens[l_where][None, :] + token_delta <= cap)
-        & (h_bin_tokens[h_where][:, None] - token_delta <= cap)
-    )
-    if ok.any():
-        score = np.where(ok, np.abs(transfer - gap / 2), np.inf)
-        a, b = np.unravel_index(int(np.argmin(score)), score.shape)
-        if best is None or score[a, b] < best[0]:
-            best = (score[a, b], "swap", int(a), int(b))
+    # Not all |H| x |L| pairs: for each a, the light samples nearest in weight to two targets,
+    # half the gap (the best transfer) and the room of the roomiest light bin (the largest
+    # transfer a nearly full rank can still take).
+    if l_weights.size:
+        order = np.argsort(l_weights, kind="stable")
+        sorted_weights = l_weights[order]
+        widest = min(gap / 2, float(np.max(cap - l_bin_tokens))) if np.isfinite(cap) else gap / 2
+        targets = np.concatenate([h_weights[:, None] - gap / 2, h_weights[:, None] - widest], axis=1)
+        nearest = np.searchsorted(sorted_weights, targets)[:, :, None] + _SWAP_WINDOW[None, None, :]
+        b_index = order[np.clip(nearest, 0, l_weights.size - 1)].reshape(h_weights.size, -1)
+        transfer = h_weights[:, None] - l_weights[b_index]
+        token_delta = h_tokens[:, None] - l_tokens[b_index]
+        ok = (
+            movable_h[:, None]
+            & (l_tokens[b_index] <= cap)
+            & (transfer > 0)
+            & (transfer < gap)
+            & (l_bin_tokens[l_where[b_index]] + token_delta <= cap)
+            & (h_bin_tokens[h_where][:, None] - token_delta <= cap)
+        )
+        if ok.any():
+            score = np.where(ok, np.abs(transfer - gap / 2), np.inf)
+            a, k = np.unravel_index(int(np.argmin(score)), score.shape)
+            if best is None or score[a, k] < best[0]:
+                best = (score[a, k], "swap", int(a), int(b_index[a, k]))
     if best is None:
         return False
 

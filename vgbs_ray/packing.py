@@ -124,7 +124,10 @@ def split_to_alignment(bins: list[list[int]], sizes, align: int, capacity: int |
 
 
 def _split_up(result: list[list[int]], sizes: np.ndarray, target: int) -> list[list[int]]:
-    heap = [(-int(sizes[b].sum()), i) for i, b in enumerate(result) if len(b) > 1]
+    if len(result) >= target:
+        return result
+    size_list = sizes.tolist()
+    heap = [(-sum(size_list[i] for i in b), j) for j, b in enumerate(result) if len(b) > 1]
     heapq.heapify(heap)
     while len(result) < target:
         _, i = heapq.heappop(heap)

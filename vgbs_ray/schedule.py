@@ -156,8 +156,9 @@ def layout_step(
         bins, lengths, weights, parallel.dp_size,
         mode=batch.balance, capacity=capacity, allow_moves=batch.is_dynamic,
     )
+    global_index = sample_indices.tolist()
     rank_micro_batches = tuple(
-        tuple(tuple(int(sample_indices[p]) for p in mb) for mb in rank_bins) for rank_bins in ranks
+        tuple(tuple(global_index[p] for p in mb) for mb in rank_bins) for rank_bins in ranks
     )
     return StepLayout(rollout_ids=tuple(rollout_ids), rank_micro_batches=rank_micro_batches)
 
