@@ -16,8 +16,9 @@ in emission order.
 
 Threads: the emitter (forms full steps whenever gbs rollouts are ready, runs flush
 requests, and the max-wait flush), one consumer per `consume_dataset`, and Ray's call
-threads. Blocking calls (`get_shard`, `submit(wait_s>0)`, `flush`, `end_of_input`) wait on
-the one condition variable with a deadline.
+threads. Blocking calls (`get_shard`, `submit(wait_s>0)`, `flush`, `end_of_input`) wait with
+a deadline on the one lock's condition variables: `get_shard` on its own (woken only when a
+step is published or the stream ends, not by every push), the rest on the shared one.
 
 Backpressure contract: `submit` never blocks by default; samples it cannot take are
 returned as `SubmitResult.deferred` positions with `retry_after_s`: resubmit those. With
@@ -68,7 +69,11 @@ class SchedulerActor(EmissionMixin):
         self.ledger = Ledger()
         self.intake = RolloutIntake(config.intake_config(), self.ledger)
         self.metrics = SchedulerMetrics(name)
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        # get_shard waits alone on its own condition (same lock): woken when a step is
+        # published or the stream ends, not by each push (a herd of blocked pulls per submit).
+        self._published = threading.Condition(lock)
         self._parallel: ParallelConfig | None = None
         self._advertise_layout = True
         self._steps: dict[int, _StepSlot] = {}
@@ -102,7 +107,7 @@ class SchedulerActor(EmissionMixin):
                 raise ConfigError(f"scheduler {self.name!r} already emitted steps for {self._parallel}; "
                                   "start a new scheduler for a different train group")
             self._parallel, self._advertise_layout = parallel, advertise_layout
-            self._cond.notify_all()
+            self._wake_all()
         decision = decide_scheduling(parallel if advertise_layout else None, has_rollout_ids=True,
                                      num_rollouts=self.config.batch.global_batch_size,
                                      global_batch_size=self.config.batch.global_batch_size, features=self.config.features)
@@ -135,7 +140,7 @@ class SchedulerActor(EmissionMixin):
                         f"step {step}, rank {rank}: no shard after {timeout_s} s; {self.intake.num_ready} rollouts ready "
                         f"(global_batch_size={self.config.batch.global_batch_size}), {self.intake.num_buffered_rollouts} "
                         f"buffered, {self._next_step} steps emitted, train group registered: {self._parallel is not None}")
-                self._cond.wait(remaining)
+                self._published.wait(remaining)
 
     def ack_step(self, step: int, rank: int, metrics: dict[str, tuple[float, float]] | None = None) -> bool:
         """Rank `rank` trained `step`. Returns True when this ack completes the step (shards released)."""
@@ -256,7 +261,7 @@ class SchedulerActor(EmissionMixin):
         """Stop the emitter thread (the actor may then be killed)."""
         with self._cond:
             self._stop = True
-            self._cond.notify_all()
+            self._wake_all()
         self._emitter.join(timeout=5)
 
     # -- internals: admission ----------------------------------------------------------
@@ -281,6 +286,11 @@ class SchedulerActor(EmissionMixin):
         self._refresh_gauges()
         if out.completed:
             self._cond.notify_all()
+
+    def _wake_all(self) -> None:
+        """Under the lock: wake every waiter, pulls included (a step was published, the stream ended)."""
+        self._cond.notify_all()
+        self._published.notify_all()
 
     def _refresh_gauges(self) -> None:
         self.metrics.on_buffer(self.intake.num_buffered_rollouts, self.intake.buffered_samples,

@@ -148,7 +148,7 @@ class EmissionMixin:
                                         kept=self.intake.num_ready)
             ticket.done = True
             self._refresh_gauges()
-            self._cond.notify_all()
+            self._wake_all()
 
     def _drop(self, rollout_ids, reason: str) -> None:
         """Under the lock."""
@@ -209,7 +209,7 @@ class EmissionMixin:
             self._stalled_ready = -1
             self.metrics.on_step(record)
             self._refresh_gauges()
-            self._cond.notify_all()
+            self._wake_all()
         if record.layout != self._last_decision:
             self._last_decision = record.layout
             self.log.info("%s: scheduling decision: %s (%s)", self.name, record.layout, record.decision_reason)

@@ -187,7 +187,8 @@ class RolloutIntake:
                 self._reject(out, repr(sample.rollout_id), sample.sample_index, "rollout_id", "rollout_id must be hashable")
         deferring = False
         for rid, items in by_rollout.items():
-            if rid not in self._open and not self._closed_reason(rid):
+            closed = None if rid in self._open else self._closed_reason(rid)  # an open rollout is never closed
+            if rid not in self._open and not closed:
                 group_open = items[0][1].group_id in self._groups
                 if not group_open:
                     room, _ = self.has_room()
@@ -195,7 +196,7 @@ class RolloutIntake:
                 if deferring and not group_open:
                     out.deferred.extend(p for p, _ in items)
                     continue
-            self._ingest_rollout(rid, [s for _, s in items], now, out)
+            self._ingest_rollout(rid, [s for _, s in items], now, out, closed)
         return out
 
     def _closed_reason(self, rid) -> str | None:
@@ -210,8 +211,7 @@ class RolloutIntake:
             return "already_complete: rollout already has all its samples"
         return None
 
-    def _ingest_rollout(self, rid, samples: list[Sample], now: float, out: IngestOutcome) -> None:
-        closed = self._closed_reason(rid)
+    def _ingest_rollout(self, rid, samples: list[Sample], now: float, out: IngestOutcome, closed: str | None) -> None:
         if closed:
             rule, detail = closed.split(": ", 1)
             for s in samples:
@@ -276,7 +276,10 @@ class RolloutIntake:
     def _accept(self, rid, entry: _Open, sample: Sample, now: float, out: IngestOutcome) -> None:
         """Buffer a sample that passed every check; complete its rollout when it is the last."""
         if sample.group_id is not None:
-            self._groups.setdefault(sample.group_id, _Group(size=sample.group_size)).members.add(rid)
+            group = self._groups.get(sample.group_id)
+            if group is None:  # not setdefault: that would build a _Group for every sample
+                group = self._groups[sample.group_id] = _Group(size=sample.group_size)
+            group.members.add(rid)
         entry.samples[sample.sample_index] = sample
         self.ledger.accept_sample(rid)
         self.buffered_samples += 1
@@ -305,11 +308,12 @@ class RolloutIntake:
     def _resolve_group(self, group_id, group: _Group, now: float, out: IngestOutcome) -> None:
         del self._groups[group_id]
         self._closed_groups.add(group_id)
-        uniform = is_uniform_group(list(group.rewards.values()))
+        # Only the drop policy needs to know (a uniform group's advantages are zeros anyway).
+        drop = self.config.drop_uniform_groups and is_uniform_group(list(group.rewards.values()))
         advantages = group_advantages(group.rewards, self.config.advantage_eps)
         for rid, (samples, completed_at) in group.waiting.items():
             del self._waiting_group[rid]
-            if uniform and self.config.drop_uniform_groups:
+            if drop:
                 self._release(samples)
                 self.ledger.drop(rid, UNIFORM_GROUP_REASON)
                 out.dropped.append((rid, UNIFORM_GROUP_REASON))

@@ -22,7 +22,8 @@ Rules (each has a name that errors carry in `RolloutValidationError.rule`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import math
+from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
 import numpy as np
@@ -64,13 +65,13 @@ class Sample:
         Arrays are normalised to their dtypes; unknown keys go into metadata. The result is
         not validated: call `validate_sample`.
         """
-        known = {f for f in cls.__dataclass_fields__}
-        extra = {k: v for k, v in row.items() if k not in known}
-        missing = [k for k in ("rollout_id", "tokens", "response_length", "loss_mask", "reward") if k not in row]
-        if missing:
+        if not row.keys() >= _REQUIRED_KEYS:
+            missing = [k for k in _REQUIRED_FIELDS if k not in row]
             raise RolloutValidationError(
                 row.get("rollout_id"), "missing_field", f"sample lacks required field(s) {missing}"
             )
+        # Unknown keys are rare: test all keys at once in C, build `extra` only when there are some.
+        extra = {} if row.keys() <= _SAMPLE_FIELDS else {k: v for k, v in row.items() if k not in _SAMPLE_FIELDS}
         rollout_id = row["rollout_id"]
         if isinstance(rollout_id, np.generic):
             rollout_id = rollout_id.item()
@@ -108,7 +109,21 @@ class Sample:
         }
 
     def with_advantage(self, advantage: float) -> "Sample":
-        return replace(self, advantage=float(advantage))
+        """A copy with `advantage` set (arrays and metadata shared, as `dataclasses.replace` does).
+
+        Called once per sample of every group-advantaged rollout: copying the instance dict
+        skips re-running the 12-field frozen __init__ (~6x cheaper than `replace`).
+        """
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        clone.__dict__["advantage"] = float(advantage)
+        return clone
+
+
+# Tuples and frozensets built once: `from_dict` runs for every pushed sample.
+_REQUIRED_FIELDS = ("rollout_id", "tokens", "response_length", "loss_mask", "reward")
+_REQUIRED_KEYS = frozenset(_REQUIRED_FIELDS)
+_SAMPLE_FIELDS = frozenset(Sample.__dataclass_fields__)
 
 
 def _optional_int(value) -> int | None:
@@ -147,7 +162,7 @@ def validate_sample(sample: Sample) -> None:
             "mask_length",
             f"len(loss_mask)={sample.loss_mask.size} must equal response_length={sample.response_length}",
         )
-    if sample.loss_mask.size and not ((sample.loss_mask == 0) | (sample.loss_mask == 1)).all():  # np.isin is 10x slower
+    if sample.loss_mask.size and not _is_zero_one(sample.loss_mask):
         bad = sample.loss_mask[~np.isin(sample.loss_mask, (0, 1))][0]
         fail("mask_values", f"loss_mask values must be 0 or 1, found {bad!r}")
     if sample.rollout_log_probs is not None and sample.rollout_log_probs.size != sample.response_length:
@@ -155,7 +170,7 @@ def validate_sample(sample: Sample) -> None:
             "log_probs_length",
             f"len(rollout_log_probs)={sample.rollout_log_probs.size} must equal response_length={sample.response_length}",
         )
-    if not np.isfinite(sample.reward):
+    if not math.isfinite(sample.reward):
         fail("reward", f"reward must be finite, got {sample.reward}")
     if sample.rollout_size is not None and not 0 <= sample.sample_index < sample.rollout_size:
         fail(
@@ -166,6 +181,17 @@ def validate_sample(sample: Sample) -> None:
         fail("rollout_size", f"sample_index={sample.sample_index} must be >= 0")
     if (sample.group_id is None) != (sample.group_size is None) or (sample.group_size is not None and sample.group_size < 1):
         fail("group", f"group_id and group_size come together with group_size >= 1, got {sample.group_id!r}/{sample.group_size!r}")
+
+
+def _is_zero_one(mask: np.ndarray) -> bool:
+    """Whether every value is 0 or 1: one reduction for integer masks (np.isin is ~10x slower)."""
+    kind = mask.dtype.kind
+    if kind == "b":
+        return True
+    if kind in "iu" and mask.dtype.isnative:
+        # Seen unsigned, a negative value is huge: max <= 1 holds exactly for 0/1 masks.
+        return int(mask.view(f"u{mask.itemsize}").max()) <= 1
+    return bool(((mask == 0) | (mask == 1)).all())
 
 
 def check_sibling(first: Sample, other: Sample) -> None:

@@ -68,6 +68,11 @@ class StepShard:
         return np.concatenate([[0], np.cumsum(self.response_lengths)])
 
 
+def _concat(arrays: list[np.ndarray], dtype) -> np.ndarray:
+    """Concatenate and convert in one pass (concatenate-then-astype copies the step's data twice)."""
+    return np.concatenate(arrays, dtype=dtype, casting="unsafe")
+
+
 def _stack(samples: Sequence[Sample], step: int, rank: int, dp_size: int, num_rollouts: int,
            mask_sums: np.ndarray, micro_batch_indices) -> StepShard:
     for s in samples:
@@ -80,7 +85,7 @@ def _stack(samples: Sequence[Sample], step: int, rank: int, dp_size: int, num_ro
     with_log_probs = [s.rollout_log_probs is not None for s in samples]
     log_probs = None
     if samples and all(with_log_probs):
-        log_probs = np.concatenate([s.rollout_log_probs for s in samples]).astype(np.float32)
+        log_probs = _concat([s.rollout_log_probs for s in samples], np.float32)
     empty_i = np.zeros(0, dtype=np.int64)
     return StepShard(
         step=step,
@@ -89,11 +94,10 @@ def _stack(samples: Sequence[Sample], step: int, rank: int, dp_size: int, num_ro
         num_rollouts=num_rollouts,
         num_microbatches=None if micro_batch_indices is None else len(micro_batch_indices),
         micro_batch_indices=micro_batch_indices,
-        token_ids=np.concatenate([s.tokens for s in samples]).astype(np.int64) if samples else empty_i,
+        token_ids=_concat([s.tokens for s in samples], np.int64) if samples else empty_i,
         total_lengths=np.array([s.total_length for s in samples], dtype=np.int64),
         response_lengths=np.array([s.response_length for s in samples], dtype=np.int64),
-        loss_mask=(np.concatenate([s.loss_mask for s in samples]).astype(np.float32) if samples
-                   else np.zeros(0, dtype=np.float32)),
+        loss_mask=_concat([s.loss_mask for s in samples], np.float32) if samples else np.zeros(0, dtype=np.float32),
         advantages=np.array([s.advantage for s in samples], dtype=np.float32),
         rewards=np.array([s.reward for s in samples], dtype=np.float32),
         rollout_mask_sums=np.asarray(mask_sums, dtype=np.int64),

@@ -1,0 +1,222 @@
+"""SchedulerActor benchmark: push throughput against a no-op actor, and scheduling latency.
+
+    python benchmarks/bench_scheduler.py [--quick]
+
+Payload: what the reference producers (`actors/producers.py`) send: batches of sample
+dicts with numpy arrays (int64 tokens, int8 loss mask), ~1k tokens each, GRPO groups of
+one-sample rollouts carrying group_id/group_size (the scheduler computes the advantages).
+
+Throughput. The driver pushes ROUND_BATCHES batches of BATCH_SAMPLES samples with up to
+IN_FLIGHT submits outstanding (a few producers at once) into
+  no-op      a threaded Ray actor whose `submit(samples)` returns len(samples)
+  scheduler  the real SchedulerActor, train group registered (dp 8, gbs 512, dynamic
+             packing), so steps are laid out and put into the object store while pushes
+             run; a consumer actor pulls every rank's ShardRef and acks, so the buffer
+             stays bounded the way a train group keeps it bounded (it does not fetch the
+             shards: that is the trainer's cost, not the scheduler's).
+  intake     the same SchedulerActor without a train group (gbs out of reach, flushed with
+             leftover="drop" after each round, outside the timing): the push path alone.
+No buffer bounds are set: deferrals would measure the consumer, not the push path.
+Rounds of the three alternate, so background load on a small machine hits all alike; the
+median samples/s of each and its ratio to the no-op are printed (the target is >= 0.5).
+
+Latency. For gbs 512 (dp 8, dynamic packing) the driver pushes a step's rollouts, the
+last one alone, then pulls all 8 ShardRefs: it prints the scheduler's
+StepRecord.scheduling_latency_s (last rollout ready -> all shards in the store) and the
+driver's view (last submit sent -> every rank's shard gettable), median and max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+
+# Same auth mode as every Ray start in this project (PLATFORM_NOTES), set before Ray reads it.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+import ray  # noqa: E402
+
+from actors.scheduler_actor import SchedulerConfig, create_scheduler  # noqa: E402
+from vgbs_ray.config import BatchConfig, ParallelConfig  # noqa: E402
+
+BATCH_SAMPLES = 64
+PROMPT_TOKENS = 256
+RESPONSE_TOKENS = 768           # 1024 tokens per sample
+GROUP_SIZE = 8                  # rollouts per prompt
+IN_FLIGHT = 4                   # outstanding submits (producers pushing at once)
+ROUND_BATCHES = 128             # 8192 samples per round: 16 steps of gbs 512
+ROUNDS = 5
+GBS = 512
+DP_SIZE = 8
+MAX_TOKENS_PER_GPU = 16384
+LATENCY_STEPS = 8
+TIMEOUT_S = 120
+
+
+def make_batches(tag: str, num_batches: int, rng: np.random.Generator) -> list[list[dict]]:
+    """`num_batches` batches of one-sample rollouts in GRPO groups, fresh rollout ids under `tag`."""
+    batches = []
+    for b in range(num_batches):
+        batch = []
+        for i in range(BATCH_SAMPLES):
+            group = f"{tag}/b{b}/g{i // GROUP_SIZE}"
+            tokens = rng.integers(0, 32_000, PROMPT_TOKENS + RESPONSE_TOKENS, dtype=np.int64)
+            batch.append(dict(
+                rollout_id=f"{group}/r{i % GROUP_SIZE}", tokens=tokens, response_length=RESPONSE_TOKENS,
+                loss_mask=(rng.random(RESPONSE_TOKENS) > 0.1).astype(np.int8), reward=float(rng.random()),
+                sample_index=0, rollout_size=1, group_id=group, group_size=GROUP_SIZE,
+            ))
+        batches.append(batch)
+    return batches
+
+
+class NoOpActor:
+    def submit(self, samples):
+        return len(samples)
+
+
+class Consumer:
+    """A train group's pull/ack loop, minus training: pulls every rank's ShardRef, acks."""
+
+    def __init__(self, scheduler, dp_size: int):
+        self._scheduler, self._dp_size = scheduler, dp_size
+
+    def run(self) -> int:
+        step = 0
+        while True:
+            refs = ray.get([self._scheduler.get_shard.remote(step, r, timeout_s=600) for r in range(self._dp_size)])
+            if refs[0] is None:
+                return step
+            ray.get([self._scheduler.ack_step.remote(step, r) for r in range(self._dp_size)])
+            step += 1
+
+
+def push(actor, batches: list[list[dict]]) -> float:
+    """Push every batch, at most IN_FLIGHT submits outstanding; returns samples/s."""
+    start = time.perf_counter()
+    in_flight = []
+    for batch in batches:
+        if len(in_flight) >= IN_FLIGHT:
+            ray.get(in_flight.pop(0), timeout=TIMEOUT_S)
+        in_flight.append(actor.submit.remote(batch))
+    results = ray.get(in_flight, timeout=TIMEOUT_S)
+    elapsed = time.perf_counter() - start
+    if results and not isinstance(results[0], int):
+        assert all(not r.rejected and not r.deferred for r in results), "the benchmark payload must be accepted"
+    return len(batches) * BATCH_SAMPLES / elapsed
+
+
+def wait_drained(scheduler) -> None:
+    """Outside the timing: every formable step emitted and acked, so no work spills into the next round."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        s = ray.get(scheduler.stats.remote(), timeout=TIMEOUT_S)
+        if s.steps_trained == s.accepted_samples // GBS:  # one-sample rollouts: every full step trained
+            return
+        time.sleep(0.02)
+    raise TimeoutError("the scheduler did not drain its steps")
+
+
+def batch_config() -> BatchConfig:
+    return BatchConfig(global_batch_size=GBS, max_tokens_per_gpu=MAX_TOKENS_PER_GPU, leftover="drop")
+
+
+def throughput(rounds: int, round_batches: int, rng) -> None:
+    noop = ray.remote(NoOpActor).options(num_cpus=0, max_concurrency=64).remote()
+    scheduler = create_scheduler(SchedulerConfig(batch=batch_config()), name="bench-throughput")
+    ray.get(scheduler.register_train_group.remote(ParallelConfig(dp_size=DP_SIZE)), timeout=TIMEOUT_S)
+    consumer = ray.remote(Consumer).options(num_cpus=0).remote(scheduler, DP_SIZE)
+    consumer_run = consumer.run.remote()
+    # Warm-up: actor start, worker imports, first serialisation paths.
+    push(noop, make_batches("warm-noop", 8, rng))
+    push(scheduler, make_batches("warm", 8, rng))
+    wait_drained(scheduler)
+
+    unreachable = BatchConfig(global_batch_size=1 << 30, max_tokens_per_gpu=MAX_TOKENS_PER_GPU, leftover="drop")
+    intake = create_scheduler(SchedulerConfig(batch=unreachable), name="bench-intake-only")
+    push(intake, make_batches("warm-intake", 8, rng))
+
+    rates: dict[str, list[float]] = {"no-op": [], "intake": [], "scheduler": []}
+    for k in range(rounds):
+        # The same arrays for all three, fresh rollout ids for the schedulers each round.
+        batches = make_batches(f"round{k}", round_batches, rng)
+        rates["no-op"].append(push(noop, batches))
+        rates["intake"].append(push(intake, batches))
+        ray.get(intake.flush.remote(), timeout=TIMEOUT_S)  # drops what it buffered: memory stays flat
+        rates["scheduler"].append(push(scheduler, batches))
+        wait_drained(scheduler)
+        print(f"round {k}: " + "   ".join(f"{name} {r[-1]:>6.0f}/s" for name, r in rates.items()))
+    stats = ray.get(scheduler.stats.remote(), timeout=TIMEOUT_S)
+    noop_med = statistics.median(rates["no-op"])
+    mb = round_batches * BATCH_SAMPLES * (PROMPT_TOKENS + RESPONSE_TOKENS) * 9 / 2**20
+    print(f"\n== push throughput: {rounds} interleaved rounds of {round_batches} x {BATCH_SAMPLES} samples "
+          f"({PROMPT_TOKENS + RESPONSE_TOKENS} tokens, ~{mb:.0f} MiB per round), {IN_FLIGHT} submits in flight")
+    print(f"{'':<11} {'median samples/s':>17} {'min':>7} {'max':>7} {'/ no-op':>8} {'per-round median':>17}")
+    for name, r in rates.items():
+        per_round = statistics.median(x / n for x, n in zip(r, rates["no-op"]))
+        print(f"{name:<11} {statistics.median(r):>17.0f} {min(r):>7.0f} {max(r):>7.0f} "
+              f"{statistics.median(r) / noop_med:>8.2f} {per_round:>17.2f}")
+    print("target: scheduler / no-op >= 0.50 (intake: the push path with no steps formed)")
+    print(f"steps emitted while pushing: {stats.steps_emitted}, all acked: {stats.steps_trained == stats.steps_emitted}")
+    ray.get(scheduler.end_of_input.remote(), timeout=TIMEOUT_S)
+    ray.get(consumer_run, timeout=TIMEOUT_S)
+    for actor in (scheduler, intake):
+        ray.get(actor.close.remote(), timeout=TIMEOUT_S)
+    for actor in (noop, scheduler, intake, consumer):
+        ray.kill(actor)
+
+
+def latency(num_steps: int, rng) -> None:
+    scheduler = create_scheduler(SchedulerConfig(batch=batch_config()), name="bench-latency")
+    ray.get(scheduler.register_train_group.remote(ParallelConfig(dp_size=DP_SIZE)), timeout=TIMEOUT_S)
+    driver_s = []
+    for step in range(num_steps):
+        samples = [s for b in make_batches(f"lat{step}", GBS // BATCH_SAMPLES, rng) for s in b]
+        head = samples[:-1]
+        push(scheduler, [head[i:i + BATCH_SAMPLES] for i in range(0, len(head), BATCH_SAMPLES)])
+        # The step's last rollout (it completes its group) arrives alone.
+        start = time.perf_counter()
+        ray.get(scheduler.submit.remote([samples[-1]]), timeout=TIMEOUT_S)
+        refs = ray.get([scheduler.get_shard.remote(step, r, timeout_s=TIMEOUT_S) for r in range(DP_SIZE)],
+                       timeout=TIMEOUT_S)
+        driver_s.append(time.perf_counter() - start)
+        ray.get([scheduler.ack_step.remote(step, r) for r in range(DP_SIZE)], timeout=TIMEOUT_S)
+        assert all(r is not None and r.step == step for r in refs)
+    records = ray.get(scheduler.stats.remote(), timeout=TIMEOUT_S).steps
+    sched_ms = [1e3 * r.scheduling_latency_s for r in records]
+    driver_ms = [1e3 * s for s in driver_s]
+    print(f"\n== scheduling latency: {num_steps} steps of gbs {GBS} ({GBS} samples, "
+          f"{GBS * (PROMPT_TOKENS + RESPONSE_TOKENS)} tokens), dp {DP_SIZE}, dynamic packing "
+          f"({MAX_TOKENS_PER_GPU} tokens/GPU, {records[0].microbatches_per_rank[0]} micro-batches/rank)")
+    print(f"{'':<44} {'median ms':>10} {'max ms':>8}")
+    print(f"{'scheduler: last rollout ready -> shards put':<44} {statistics.median(sched_ms):>10.1f} {max(sched_ms):>8.1f}")
+    print(f"{'driver: last submit -> 8 ShardRefs returned':<44} {statistics.median(driver_ms):>10.1f} {max(driver_ms):>8.1f}")
+    ray.get(scheduler.close.remote(), timeout=TIMEOUT_S)
+    ray.kill(scheduler)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer, smaller rounds (a smoke run)")
+    args = parser.parse_args()
+    ray.init(address="local", num_cpus=8, include_dashboard=False, object_store_memory=512 << 20,
+             logging_level="ERROR", log_to_driver=False)
+    rng = np.random.default_rng(0)
+    start = time.perf_counter()
+    try:
+        if args.quick:
+            throughput(2, 16, rng)
+            latency(2, rng)
+        else:
+            throughput(ROUNDS, ROUND_BATCHES, rng)
+            latency(LATENCY_STEPS, rng)
+    finally:
+        ray.shutdown()
+    print(f"\ntotal {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
