@@ -104,13 +104,13 @@ def train(config: JobConfig, records_path: str) -> dict:
     """Run the job on an initialised Ray; returns the summary."""
     out = config.run.output_dir
     resume_from = latest_checkpoint(out) if config.run.resume else None
-    first_step = 0
     scheduler = create_scheduler(config.scheduler)
-    group = TrainGroup(config.train)
+    group = None
     try:
+        group = TrainGroup(config.train)
+        first_step = 0
         if resume_from is not None:
-            state = load_job_state(resume_from, group, scheduler)
-            first_step = state["next_step"]
+            first_step = load_job_state(resume_from, group, scheduler)["next_step"]
             print(f"resumed from {resume_from} at step {first_step}", flush=True)
         group.register_with(scheduler)
         run_tag = f"from-step{first_step}"  # fresh rollout ids after a resume
@@ -119,46 +119,63 @@ def train(config: JobConfig, records_path: str) -> dict:
             ray.get(scheduler.consume_dataset.remote(rollout_dataset(config.producers, run_tag)), timeout=60)
         close_input_when_producers_finish(scheduler, producers, timeout_s=600)
 
-        recorder = StepRecorder(records_path, append=resume_from is not None)
         start = time.monotonic()
-        trained_rollouts, steps_done = 0, 0
-        # The scheduler numbers its steps from 0; the job's step (records, checkpoints) continues a resumed run.
-        for scheduler_step in range(config.run.num_steps):
-            result = group.train_step(scheduler_step, scheduler, shard_timeout_s=config.run.shard_timeout_s)
-            if result is None:
-                print(f"input ended after {steps_done} steps", flush=True)
-                break
-            record = next(r for r in ray.get(scheduler.stats.remote(), timeout=60).steps if r.step == scheduler_step)
-            line = dataclasses.replace(step_line(result, record), step=first_step + scheduler_step)
-            print(line.text(), flush=True)
-            recorder.write(line)
-            trained_rollouts += result.num_rollouts
-            steps_done += 1
-            if config.run.checkpoint_every and steps_done % config.run.checkpoint_every == 0:
-                save_job_state(out, first_step + steps_done, group, scheduler)
-        recorder.close()
+        recorder = StepRecorder(records_path, append=resume_from is not None)
+        try:
+            trained = run_steps(config, group, scheduler, recorder, first_step)
+        finally:
+            recorder.close()
         elapsed = time.monotonic() - start
-        if steps_done:
-            save_job_state(out, first_step + steps_done, group, scheduler)
-        stats = ray.get(scheduler.stats.remote(), timeout=60)
-        return {
-            "steps": steps_done,
-            "rollouts_per_step": [r.num_rollouts for r in stats.steps if r.trained],
-            "rollouts_trained": trained_rollouts,
-            "rollouts_by_state": stats.ledger.rollouts_by_state,
-            "dropped_by_reason": stats.ledger.dropped_by_reason,
-            "rejected_samples_by_rule": stats.ledger.rejected_samples_by_rule,
-            "incomplete_rollouts": len(stats.incomplete_rollouts),
-            "elapsed_s": round(elapsed, 2),
-            "rollouts_per_s": round(trained_rollouts / elapsed, 3) if elapsed > 0 else None,
-        }
+        if trained:
+            save_job_state(out, first_step + len(trained), group, scheduler)
+        return summarize(ray.get(scheduler.stats.remote(), timeout=60), trained, elapsed)
     finally:
-        group.shutdown()
+        if group is not None:
+            group.shutdown()
         try:
             ray.get(scheduler.close.remote(), timeout=10)
         except Exception:  # noqa: BLE001 - best effort on the way out
             pass
         ray.kill(scheduler)
+
+
+def run_steps(config: JobConfig, group: TrainGroup, scheduler, recorder: StepRecorder, first_step: int) -> list[StepLine]:
+    """Train up to run.num_steps steps, or until the input ends; returns one StepLine per step.
+
+    The scheduler numbers its steps from 0; the job's step (records, checkpoints) continues
+    a resumed run from `first_step`.
+    """
+    trained: list[StepLine] = []
+    for scheduler_step in range(config.run.num_steps):
+        result = group.train_step(scheduler_step, scheduler, shard_timeout_s=config.run.shard_timeout_s)
+        if result is None:
+            print(f"input ended after {len(trained)} steps", flush=True)
+            break
+        record = next(r for r in ray.get(scheduler.stats.remote(), timeout=60).steps if r.step == scheduler_step)
+        line = dataclasses.replace(step_line(result, record), step=first_step + scheduler_step)
+        print(line.text(), flush=True)
+        recorder.write(line)
+        trained.append(line)
+        every = config.run.checkpoint_every
+        if every and len(trained) % every == 0:
+            save_job_state(config.run.output_dir, first_step + len(trained), group, scheduler)
+    return trained
+
+
+def summarize(stats, trained: list[StepLine], elapsed_s: float) -> dict:
+    """The run's summary: rollouts per step, what the ledger says became of every rollout, throughput."""
+    rollouts = sum(line.num_rollouts for line in trained)
+    return {
+        "steps": len(trained),
+        "rollouts_per_step": [line.num_rollouts for line in trained],
+        "rollouts_trained": rollouts,
+        "rollouts_by_state": stats.ledger.rollouts_by_state,
+        "dropped_by_reason": stats.ledger.dropped_by_reason,
+        "rejected_samples_by_rule": stats.ledger.rejected_samples_by_rule,
+        "incomplete_rollouts": len(stats.incomplete_rollouts),
+        "elapsed_s": round(elapsed_s, 2),
+        "rollouts_per_s": round(rollouts / elapsed_s, 3) if elapsed_s > 0 else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
