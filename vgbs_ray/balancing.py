@@ -64,10 +64,12 @@ def distribute(
     else:
         assignment = _karmarkar_karp_equal_count(bins, weights, dp_size)
         _refine(assignment, tokens, weights, capacity, allow_moves)
+    per_rank = len(bins) // dp_size
+    all_weights = _bin_sums([mb for rank_bins in assignment for mb in rank_bins], weights)
     ordered = []
-    for rank_bins in assignment:
-        bin_weights = _bin_sums(rank_bins, weights)
-        order = sorted(range(len(rank_bins)), key=lambda j: (-bin_weights[j], min(rank_bins[j])))
+    for rank, rank_bins in enumerate(assignment):
+        bin_weights = all_weights[rank * per_rank:(rank + 1) * per_rank]
+        order = sorted(range(per_rank), key=lambda j: (-bin_weights[j], min(rank_bins[j])))
         ordered.append([sorted(rank_bins[j]) for j in order])
     return ordered
 
@@ -114,7 +116,9 @@ def _refine(assignment, tokens, weights, capacity, allow_moves):
     if dp_size < 2:
         return
     cap = np.inf if capacity is None else capacity
-    loads = np.array([sum(_bin_sums(rank_bins, weights)) for rank_bins in assignment])
+    per_rank = len(assignment[0])
+    loads = np.add.reduceat(_bin_sums([mb for rank_bins in assignment for mb in rank_bins], weights),
+                            np.arange(0, dp_size * per_rank, per_rank))
     mean = loads.mean()
     if mean <= 0:
         return
@@ -157,6 +161,8 @@ class _RankView:
         self.weights = weights[self.samples]
         self.bin_tokens = np.bincount(self.where, weights=self.tokens, minlength=len(rank_bins))
         self.bin_sizes = np.bincount(self.where, minlength=len(rank_bins))
+        self.by_weight = np.argsort(self.weights, kind="stable")
+        self.sorted_weights = self.weights[self.by_weight]
 
 
 def _improve_pair(assignment, loads, heavy, light, h: _RankView, l: _RankView, weights, cap, allow_moves) -> bool:
@@ -182,8 +188,7 @@ def _improve_pair(assignment, loads, heavy, light, h: _RankView, l: _RankView, w
     # half the gap (the best transfer) and the room of the roomiest light bin (the largest
     # transfer a nearly full rank can still take).
     if l_weights.size:
-        order = np.argsort(l_weights, kind="stable")
-        sorted_weights = l_weights[order]
+        order, sorted_weights = l.by_weight, l.sorted_weights
         widest = min(gap / 2, float(np.max(cap - l_bin_tokens))) if np.isfinite(cap) else gap / 2
         targets = np.concatenate([h_weights[:, None] - gap / 2, h_weights[:, None] - widest], axis=1)
         nearest = np.searchsorted(sorted_weights, targets)[:, :, None] + _SWAP_WINDOW[None, None, :]
