@@ -27,6 +27,7 @@ returned as `SubmitResult.deferred` positions with `retry_after_s`: resubmit tho
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -56,12 +57,31 @@ __all__ = [
 DEFAULT_NAME = "vgbs-scheduler"
 
 
+# CPython's cyclic GC thresholds for the scheduler's own worker process (see below).
+_GC_THRESHOLDS = (50_000, 20, 100)
+
+
+def _relax_gc_in_this_process() -> None:
+    """Collect garbage less often in the scheduler actor's process (it is that actor's alone).
+
+    The scheduler holds many long-lived small containers (buffered samples, ledger
+    entries); under the default thresholds (700, 10, 10) the collector runs every few
+    pushes and its older generations rescan them all. Nothing here creates reference
+    cycles in bulk, so collecting less often only delays freeing a few. Measured with
+    benchmarks/bench_scheduler.py on 2 cores: the push path went from 0.48 to 0.59 of a
+    no-op actor's rate, pushes with steps emitting from 0.35 to 0.43.
+    """
+    gc.set_threshold(*_GC_THRESHOLDS)
+
+
 class SchedulerActor(EmissionMixin):
     """Plain class; `create_scheduler` makes it a named Ray actor. See the module docstring."""
 
     def __init__(self, config: SchedulerConfig, name: str = DEFAULT_NAME):
         self.config = config
         self.name = name
+        if ray.get_runtime_context().get_actor_id() is not None:
+            _relax_gc_in_this_process()
         self.log = logging.getLogger(f"vgbs_ray.scheduler.{name}")
         if not self.log.handlers:
             self.log.addHandler(logging.StreamHandler())

@@ -217,3 +217,14 @@ def test_carry_policy_flush_waits_for_train_group_and_drops_at_end(scheduler_fac
     stats = call(scheduler.stats, include_rollouts=True, check_ledger=True)
     assert stats.ledger.dropped_by_reason == {"carried_at_end_of_input": 2}
     assert_ledger_closed(stats, {f"c{i}" for i in range(6)}, trained=4, dropped=2)
+
+
+def test_gc_thresholds_are_relaxed_only_in_the_scheduler_process(scheduler_factory):
+    import gc
+
+    from actors.scheduler_actor import _GC_THRESHOLDS
+
+    scheduler = scheduler_factory("vgbs-test-gc", batch=BatchConfig(global_batch_size=2, max_tokens_per_gpu=64))
+    in_actor = ray.get(scheduler.__ray_call__.remote(lambda self: gc.get_threshold()), timeout=60)
+    assert tuple(in_actor) == _GC_THRESHOLDS
+    assert gc.get_threshold() != _GC_THRESHOLDS  # the driver (this test process) keeps its own
