@@ -79,6 +79,10 @@ class Ledger:
         self._step_rollouts: dict[int, tuple] = {}
         self._trained_steps: set[int] = set()
         self.rejections: list[RejectionEvent] = []
+        self._by_state: Counter = Counter()
+        self._by_drop_reason: Counter = Counter()
+        self._by_reject_rule: Counter = Counter()
+        self._rejected_samples_by_rule: Counter = Counter()
 
     # -- queries ---------------------------------------------------------------------
     def get(self, rollout_id: Hashable) -> LedgerEntry | None:
@@ -109,13 +113,28 @@ class Ledger:
                 f"rollout {rollout_id!r}: illegal transition {old_state and old_state.value} -> {new.state.value}"
                 f"{'' if old is None or old.step is None else f' (step {old.step})'}"
             )
+        self._set(rollout_id, new)
+
+    def _set(self, rollout_id, new: "LedgerEntry") -> None:
+        """The one place an entry changes: keeps the summary counts current (O(1) summaries)."""
+        old = self._entries.get(rollout_id)
+        if old is not None:
+            self._count(old, -1)
         self._entries[rollout_id] = new
+        self._count(new, +1)
+
+    def _count(self, entry: "LedgerEntry", delta: int) -> None:
+        self._by_state[entry.state.value] += delta
+        if entry.state is RolloutState.DROPPED:
+            self._by_drop_reason[entry.reason] += delta
+        elif entry.state is RolloutState.REJECTED:
+            self._by_reject_rule[entry.reason] += delta
 
     def accept_sample(self, rollout_id: Hashable) -> None:
         """A sample of `rollout_id` was accepted into the buffer."""
         old = self._entries.get(rollout_id)
         if old is not None and old.state is RolloutState.BUFFERED:
-            self._entries[rollout_id] = LedgerEntry(RolloutState.BUFFERED, num_samples=old.num_samples + 1)
+            self._set(rollout_id, LedgerEntry(RolloutState.BUFFERED, num_samples=old.num_samples + 1))
             return
         self._move(rollout_id, (None, RolloutState.REJECTED), LedgerEntry(RolloutState.BUFFERED, num_samples=1))
         self._ever_accepted.add(rollout_id)
@@ -123,9 +142,10 @@ class Ledger:
     def reject(self, rollout_id: Hashable, rule: str, message: str, sample_index: int | None = None) -> None:
         """Record a rejected sample; a rollout with no accepted sample becomes REJECTED(rule)."""
         self.rejections.append(RejectionEvent(rollout_id, sample_index, rule, message))
+        self._rejected_samples_by_rule[rule] += 1
         old = self._entries.get(rollout_id)
         if old is None or old.state is RolloutState.REJECTED:
-            self._entries[rollout_id] = LedgerEntry(RolloutState.REJECTED, reason=rule)
+            self._set(rollout_id, LedgerEntry(RolloutState.REJECTED, reason=rule))
 
     def schedule(self, rollout_ids: Iterable[Hashable], step: int) -> None:
         ids = tuple(rollout_ids)
@@ -147,7 +167,7 @@ class Ledger:
             old = self._entries[rid]
             if old.state is not RolloutState.SCHEDULED or old.step != step:
                 raise LedgerError(f"rollout {rollout_id_repr(rid)}: expected scheduled in step {step}, is {old}")
-            self._entries[rid] = LedgerEntry(RolloutState.TRAINED, step=step, num_samples=old.num_samples)
+            self._set(rid, LedgerEntry(RolloutState.TRAINED, step=step, num_samples=old.num_samples))
         self._trained_steps.add(step)
         return self._step_rollouts[step]
 
@@ -158,14 +178,12 @@ class Ledger:
 
     # -- reports ---------------------------------------------------------------------
     def summary(self) -> LedgerSummary:
-        by_state = Counter(e.state.value for e in self._entries.values())
-        dropped = Counter(e.reason for e in self._entries.values() if e.state is RolloutState.DROPPED)
-        rejected = Counter(e.reason for e in self._entries.values() if e.state is RolloutState.REJECTED)
+        """Counts kept current by every transition: O(states + reasons), not O(rollouts)."""
         return LedgerSummary(
-            rollouts_by_state={s.value: by_state.get(s.value, 0) for s in RolloutState},
-            dropped_by_reason=dict(dropped),
-            rejected_rollouts_by_rule=dict(rejected),
-            rejected_samples_by_rule=dict(Counter(r.rule for r in self.rejections)),
+            rollouts_by_state={s.value: self._by_state[s.value] for s in RolloutState},
+            dropped_by_reason={k: n for k, n in self._by_drop_reason.items() if n},
+            rejected_rollouts_by_rule={k: n for k, n in self._by_reject_rule.items() if n},
+            rejected_samples_by_rule=dict(self._rejected_samples_by_rule),
             num_rollouts_seen=len(self._entries),
         )
 
@@ -187,6 +205,9 @@ class Ledger:
         for rid, entry in self._entries.items():
             if entry.state in (RolloutState.SCHEDULED, RolloutState.TRAINED) and seen.get(rid) != entry.step:
                 raise LedgerError(f"rollout {rollout_id_repr(rid)} is {entry} but not listed in that step")
+        recount = Counter(e.state.value for e in self._entries.values())
+        if +recount != +self._by_state:
+            raise LedgerError(f"summary counts {dict(+self._by_state)} disagree with the entries {dict(recount)}")
 
 
 def rollout_id_repr(rollout_id: Hashable) -> str:
