@@ -28,7 +28,7 @@ from vgbs_ray.synthetic import SyntheticRolloutConfig, synthetic_rollout
 class ProducerConfig:
     num_agents: int = 2
     """Agentic producer actors pushing concurrently."""
-    prompts_per_agent: int = 12
+    prompts_per_agent: int = 13
     """Prompts (GRPO groups) each agent answers."""
     group_size: int = 2
     """Rollouts per prompt."""
