@@ -39,7 +39,7 @@ import ray
 from actors.scheduler_api import (
     FlushResult, SchedulerConfig, SchedulerStats, ShardRef, StepRecord, SubmitResult,
 )
-from actors.scheduler_emission import EmissionMixin, _StepSlot
+from actors.scheduler_emission import EmissionMixin, _FlushTicket, _StepSlot
 from actors.scheduler_metrics import SchedulerMetrics
 from vgbs_ray.config import ParallelConfig, check_schedule_configs
 from vgbs_ray.eligibility import SchedulingDecision, decide_scheduling

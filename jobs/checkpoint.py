@@ -47,7 +47,7 @@ def latest_checkpoint(output_dir: str) -> str | None:
         return os.path.join(checkpoint_root(output_dir), handle.read().strip())
 
 
-def load_job_state(path: str, group, scheduler) -> dict:
+def load_job_state(path: str, group) -> dict:
     """Restore the train group from `path`; returns job.json (with next_step)."""
     group.load_checkpoint(path)
     with open(os.path.join(path, "job.json")) as handle:

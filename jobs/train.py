@@ -110,7 +110,7 @@ def train(config: JobConfig, records_path: str) -> dict:
         group = TrainGroup(config.train)
         first_step = 0
         if resume_from is not None:
-            first_step = load_job_state(resume_from, group, scheduler)["next_step"]
+            first_step = load_job_state(resume_from, group)["next_step"]
             print(f"resumed from {resume_from} at step {first_step}", flush=True)
         group.register_with(scheduler)
         run_tag = f"from-step{first_step}"  # fresh rollout ids after a resume

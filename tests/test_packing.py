@@ -88,8 +88,8 @@ def test_static_chunks_that_cannot_align_name_the_fix():
         static_chunks(5, 1, 4)
 
 
-def test_ffd_is_fast_enough_to_be_n_log_n():
-    """Not a timing test: FFD on 20k samples visits each sample once (would hang if quadratic-per-bin)."""
+def test_ffd_packs_a_large_step_within_the_first_fit_bound():
+    """20k samples: each placed once, and no more bins than first fit allows (at most one half-empty bin)."""
     rng = np.random.default_rng(0)
     sizes = rng.integers(1, 4000, 20000)
     bins = first_fit_decreasing(sizes, 16384)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import multiprocessing
 import dataclasses
 
-import numpy as np
 import pytest
 
 from tests.train_support import (assert_same_update, inprocess_trainer, make_samples, record_collectives_worker,

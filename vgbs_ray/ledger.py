@@ -95,9 +95,6 @@ class Ledger:
     def entries(self) -> list[tuple[Hashable, LedgerEntry]]:
         return list(self._entries.items())
 
-    def ids_in(self, state: RolloutState) -> list:
-        return [rid for rid, e in self._entries.items() if e.state is state]
-
     def step_rollouts(self, step: int) -> tuple:
         return self._step_rollouts.get(step, ())
 

@@ -70,10 +70,6 @@ class PackedMicroBatch:
     def num_tokens(self) -> int:
         return int(self.tokens.shape[1])
 
-    @property
-    def num_response_tokens(self) -> int:
-        return int(self.response_logit_index.numel())
-
 
 def _concat(arrays: Sequence[np.ndarray], dtype) -> np.ndarray:
     return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype=dtype)
