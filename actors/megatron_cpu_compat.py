@@ -1,0 +1,115 @@
+"""Megatron-Core 0.16.1 on a machine without CUDA: the one place its CUDA literals are redirected.
+
+    activate()   # idempotent; does nothing when CUDA is available
+
+Megatron's pipeline schedule, DDP and optimizer allocate a few bookkeeping tensors with a
+hard-coded `device="cuda"` / `torch.cuda.current_device()` (PLATFORM_NOTES lists them). On a
+CPU-only machine, and only there, the name `torch` inside exactly those modules is rebound to
+`_CpuTorch`, a proxy that forwards everything to the real torch except that a CUDA device
+argument becomes the CPU and `torch.cuda.current_device()` / `synchronize()` are CPU no-ops.
+Nothing global changes: `torch` itself, and every other module, are untouched. Two functions
+that assert CUDA tensors (`clip_grad_by_total_norm_fp32`, the l2-norm kernel behind the grad
+norm) are replaced by CPU equivalents, in the modules that imported them by name.
+
+Invariants (tests/test_megatron_cpu_compat.py): after `activate()` on CPU the patched modules'
+CUDA literals allocate on CPU, the real `torch` still refuses CUDA, and the grad norm and
+clipping equal a plain torch computation. With CUDA present `activate()` returns False and
+patches nothing (the GPU path runs Megatron unmodified).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+_PATCHED_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+)
+_FACTORIES = frozenset({"tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like",
+                        "empty_like", "full_like"})
+_active = False
+
+
+def _cpu_device(device):
+    """Any CUDA device spec (string, torch.device, ordinal) becomes the CPU; others pass through."""
+    if device is None:
+        return None
+    if isinstance(device, int) or str(device).startswith("cuda"):
+        return torch.device("cpu")
+    return device
+
+
+class _CpuCuda:
+    """`torch.cuda` as the patched modules see it: a current device that is the CPU."""
+
+    @staticmethod
+    def current_device():
+        return torch.device("cpu")
+
+    @staticmethod
+    def synchronize(*args, **kwargs):
+        return None
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _CpuTorch:
+    """The real `torch` with CUDA device arguments of tensor factories mapped to the CPU."""
+
+    cuda = _CpuCuda()
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name not in _FACTORIES:
+            return attr
+
+        def on_cpu(*args, **kwargs):
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_device(kwargs["device"])
+            return attr(*args, **kwargs)
+
+        return on_cpu
+
+
+def _l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Drop-in for `amp_C.multi_tensor_l2norm` on CPU: the l2 norm of all tensors together (fp32)."""
+    squares = [t.detach().float().pow(2).sum() for tensors in tensor_lists for t in tensors]
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    return total.reshape(1), None
+
+
+def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """Megatron's clip (scale every grad by max_norm / (total_norm + 1e-6) when below 1), without its CUDA assert."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for grad in grads:
+            grad.mul_(clip_coeff)
+
+
+def activate() -> bool:
+    """Redirect the CUDA literals (see module docstring) when CUDA is absent; True if active."""
+    global _active
+    if torch.cuda.is_available():
+        return False
+    if _active:
+        return True
+    proxy = _CpuTorch()
+    modules = {name: importlib.import_module(name) for name in _PATCHED_MODULES}
+    for module in modules.values():
+        module.torch = proxy
+    clip_grads = modules["megatron.core.optimizer.clip_grads"]
+    clip_grads.l2_norm_impl = _l2_norm
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    modules["megatron.core.optimizer.optimizer"].clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    _active = True
+    return True
