@@ -13,6 +13,7 @@ Rules (each has a name that errors carry in `RolloutValidationError.rule`):
   log_probs_length    len(rollout_log_probs) == response_length, when given
   rollout_size        1 <= rollout_size, sample_index < rollout_size, when given
   group               group_id and group_size come together, group_size >= 1
+  policy_version      policy_version_min and _max come together, 0 <= min <= max
   sibling_rollout_id  siblings share one rollout_id
   sibling_reward      siblings share one reward
   sibling_rollout_size siblings agree on rollout_size
@@ -52,6 +53,10 @@ class Sample:
     group_size: int | None = None
     rollout_log_probs: np.ndarray | None = None
     """float32 log-probs of the response tokens under the rollout policy."""
+    policy_version_min: int | None = None
+    """Oldest policy version (optimizer steps taken) whose weights generated a token of this sample."""
+    policy_version_max: int | None = None
+    """Newest such version (differs from the oldest when generation spanned a weight update)."""
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -88,6 +93,8 @@ class Sample:
             group_id=_optional_scalar(row.get("group_id")),
             group_size=_optional_int(row.get("group_size")),
             rollout_log_probs=None if log_probs is None else np.asarray(log_probs, dtype=np.float32).reshape(-1),
+            policy_version_min=_optional_int(row.get("policy_version_min")),
+            policy_version_max=_optional_int(row.get("policy_version_max")),
             metadata={**(row.get("metadata") or {}), **extra},
         )
 
@@ -105,6 +112,8 @@ class Sample:
             "group_id": self.group_id,
             "group_size": self.group_size,
             "rollout_log_probs": self.rollout_log_probs,
+            "policy_version_min": self.policy_version_min,
+            "policy_version_max": self.policy_version_max,
             "metadata": self.metadata,
         }
 
@@ -181,6 +190,9 @@ def validate_sample(sample: Sample) -> None:
         fail("rollout_size", f"sample_index={sample.sample_index} must be >= 0")
     if (sample.group_id is None) != (sample.group_size is None) or (sample.group_size is not None and sample.group_size < 1):
         fail("group", f"group_id and group_size come together with group_size >= 1, got {sample.group_id!r}/{sample.group_size!r}")
+    low, high = sample.policy_version_min, sample.policy_version_max
+    if (low is None) != (high is None) or (low is not None and not 0 <= low <= high):
+        fail("policy_version", f"policy_version_min/max come together with 0 <= min <= max, got {low!r}/{high!r}")
 
 
 def _is_zero_one(mask: np.ndarray) -> bool:
