@@ -22,7 +22,6 @@ def assert_schedule_invariants(schedule: DPSchedule, lengths, rollout_ids, paral
         # Each rank's micro-batches tile range(len(partition)), in order.
         flat = [p for mb in schedule.micro_batch_indices[rank] for p in mb]
         assert flat == list(range(len(schedule.partitions[rank])))
-        assert all(len(mb) > 0 for mb in schedule.micro_batch_indices[rank])
         # Lockstep: every rank runs the same count in every step.
         assert len(schedule.micro_batch_indices[rank]) == sum(schedule.num_microbatches)
 
@@ -47,6 +46,9 @@ def assert_schedule_invariants(schedule: DPSchedule, lengths, rollout_ids, paral
             assert step.num_rollouts == gbs
         else:
             assert step.num_rollouts == gbs or (batch.leftover == "partial" and 0 < step.num_rollouts < gbs)
+        # Padding (empty micro-batches) only when the step has fewer samples than micro-batches.
+        if step.num_padding_microbatches:
+            assert len(step_samples) < step.num_microbatches * dp
         # VPP alignment of the total count; lockstep per rank.
         assert (step.num_microbatches * dp) % align == 0
         assert all(len(mbs) == step.num_microbatches for mbs in step.rank_micro_batches)

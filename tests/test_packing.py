@@ -7,8 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vgbs_ray.errors import ScheduleError
-from vgbs_ray.packing import first_fit_decreasing, split_to_alignment, static_chunks
+from vgbs_ray.packing import count_padding, first_fit_decreasing, split_to_alignment, static_chunks
 
 
 def reference_first_fit_decreasing(sizes, capacity):
@@ -36,19 +35,18 @@ def test_segment_tree_ffd_equals_reference(sizes, capacity):
 @given(st.lists(st.integers(1, 300), min_size=1, max_size=120), st.integers(50, 400), st.sampled_from([1, 2, 3, 4, 8]))
 def test_alignment_split_keeps_cap_and_coverage(sizes, capacity, align):
     bins = first_fit_decreasing(sizes, capacity)
-    try:
-        aligned = split_to_alignment(bins, sizes, align, capacity)
-    except ScheduleError:
-        # Only when splitting runs out of samples and merging would break the cap.
-        assert len(sizes) < -(-len(bins) // align) * align
-        loads = sorted(sum(sizes[i] for i in b) for b in bins)
-        assert len(bins) < align or loads[0] + loads[1] > capacity
-        return
+    aligned = split_to_alignment(bins, sizes, align, capacity)
     assert len(aligned) % align == 0 and len(aligned) >= align
     assert sorted(i for b in aligned for i in b) == list(range(len(sizes)))
-    assert all(b for b in aligned)
     for b in aligned:
         assert sum(sizes[i] for i in b) <= capacity or len(b) == 1
+    padding = count_padding(aligned)
+    if padding:
+        # Only when splitting runs out of samples and merging would break the cap: then
+        # every sample sits alone and the padding fills up to the next multiple.
+        assert len(sizes) < -(-len(bins) // align) * align
+        assert all(len(b) == 1 for b in aligned if b) and len(aligned) - padding == len(sizes)
+        assert len(aligned) == max(align, -(-len(bins) // align) * align)
     # Splitting only adds micro-batches up to the next multiple.
     assert len(aligned) - len(bins) < align
 
@@ -65,13 +63,17 @@ def test_lone_oversize_samples_merge_the_light_bins_instead():
     sizes = [500, 500, 500, 10, 20]
     aligned = split_to_alignment([[0], [1], [2], [3], [4]], sizes, align=2, capacity=100)
     assert sorted(map(sorted, aligned)) == [[0], [1], [2], [3, 4]]
-    with pytest.raises(ScheduleError, match="max_tokens_per_gpu"):
-        split_to_alignment([[0], [1], [2]], [500, 500, 500], align=2, capacity=100)
 
 
-def test_fewer_samples_than_alignment_fails_clearly():
-    with pytest.raises(ScheduleError, match="multiple of dp_size"):
-        split_to_alignment([[0, 1, 2]], [1, 1, 1], align=4, capacity=10)
+def test_three_oversize_samples_on_two_ranks_get_one_padding_micro_batch():
+    """The wedge of issue 8: nothing splits, nothing merges under the cap -> pad, never fail."""
+    aligned = split_to_alignment([[0], [1], [2]], [60, 60, 60], align=2, capacity=100)
+    assert sorted(map(sorted, aligned)) == [[], [0], [1], [2]] and count_padding(aligned) == 1
+
+
+def test_fewer_samples_than_alignment_pad_after_splitting_every_sample_off():
+    aligned = split_to_alignment([[0, 1, 2]], [1, 1, 1], align=4, capacity=10)
+    assert sorted(map(sorted, aligned)) == [[], [0], [1], [2]]
 
 
 @pytest.mark.parametrize("num_samples, mbs, align", [(8, 2, 4), (10, 3, 2), (7, 1, 7), (12, 5, 2)])
@@ -83,9 +85,9 @@ def test_static_chunks(num_samples, mbs, align):
     assert max(map(len, chunks)) - min(map(len, chunks)) <= 1
 
 
-def test_static_chunks_that_cannot_align_name_the_fix():
-    with pytest.raises(ScheduleError, match="max_tokens_per_gpu"):
-        static_chunks(5, 1, 4)
+def test_static_chunks_with_fewer_samples_than_the_aligned_count_are_padded():
+    assert static_chunks(5, 1, 4) == [[0], [1], [2], [3], [4], [], [], []]
+    assert static_chunks(1, 2, 2) == [[0], []]
 
 
 def test_ffd_packs_a_large_step_within_the_first_fit_bound():

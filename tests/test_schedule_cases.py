@@ -74,14 +74,27 @@ def test_variable_size_run_gives_full_then_partial_step():
     assert dropped.num_rollouts == [24] and len(dropped.leftover_rollout_ids) == 8
 
 
-def test_partial_step_is_skipped_when_it_cannot_be_laid_out():
-    # 10 full rollouts + 3 one-sample leftovers: 3 samples cannot feed 4 ranks.
+def test_partial_step_with_fewer_samples_than_ranks_is_padded():
+    # 10 full rollouts + 3 one-sample leftovers: 3 samples on 4 ranks -> one empty micro-batch.
     lengths, rids = one_sample_rollouts([100] * 13)
     parallel = ParallelConfig(dp_size=4)
-    schedule = build_dp_schedule(lengths, rids, parallel,
-                                 BatchConfig(global_batch_size=10, max_tokens_per_gpu=1000, leftover="partial"))
-    assert schedule.num_rollouts == [10]
-    assert list(schedule.leftover_rollout_ids) == rids[10:]
+    batch = BatchConfig(global_batch_size=10, max_tokens_per_gpu=1000, leftover="partial")
+    schedule = build_dp_schedule(lengths, rids, parallel, batch)
+    assert schedule.num_rollouts == [10, 3] and schedule.leftover_rollout_ids == ()
+    assert schedule.steps[1].num_padding_microbatches == 1 and schedule.steps[0].num_padding_microbatches == 0
+    assert sorted(len(p) for p in schedule.steps[1].rank_micro_batches) == [1, 1, 1, 1]
+    assert_schedule_invariants(schedule, lengths, rids, parallel, batch)
+
+
+def test_unalignable_full_step_is_padded_not_stalled():
+    """Issue 8's wedge: gbs=3, dp=2, cap 100, three 60-token one-sample rollouts."""
+    lengths, rids = one_sample_rollouts([60] * 3)
+    parallel = ParallelConfig(dp_size=2)
+    batch = BatchConfig(global_batch_size=3, max_tokens_per_gpu=100)
+    schedule = build_dp_schedule(lengths, rids, parallel, batch)
+    assert schedule.num_rollouts == [3] and schedule.num_microbatches == [2]
+    assert schedule.steps[0].num_padding_microbatches == 1
+    assert_schedule_invariants(schedule, lengths, rids, parallel, batch)
 
 
 def test_fewer_rollouts_than_a_step():

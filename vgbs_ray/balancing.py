@@ -69,7 +69,8 @@ def distribute(
     ordered = []
     for rank, rank_bins in enumerate(assignment):
         bin_weights = all_weights[rank * per_rank:(rank + 1) * per_rank]
-        order = sorted(range(per_rank), key=lambda j: (-bin_weights[j], min(rank_bins[j])))
+        # Padding (empty) micro-batches run last.
+        order = sorted(range(per_rank), key=lambda j: (-bin_weights[j], min(rank_bins[j], default=len(tokens))))
         ordered.append([sorted(rank_bins[j]) for j in order])
     return ordered
 

@@ -13,14 +13,20 @@ first_fit_decreasing(sizes, capacity)
 split_to_alignment(bins, sizes, align, capacity)
     Raise the bin count to a multiple of `align` by splitting the heaviest multi-sample bin
     into two token-balanced halves, repeatedly. When too few samples remain to split
-    (lone oversize samples), merge the lightest bins under the cap instead; fail if
-    neither reaches a multiple.
+    (lone oversize samples, or fewer samples than `align`), merge the lightest bins under
+    the cap instead; if that cannot reach a multiple either, split every bin down to one
+    sample and append empty *padding* bins up to the next multiple. A padding bin is a
+    micro-batch of zero samples and zero weight: the rank that gets it runs an empty
+    micro-batch so that every rank and pipeline stage runs the same count. So a step with
+    at least one sample can always be laid out: the schedule never stalls on alignment.
 
 static_chunks(num_samples, micro_batch_size, align)
     Contiguous chunks of at most `micro_batch_size` samples, their count a multiple of
-    `align` (sizes differ by at most one).
+    `align` (sizes differ by at most one); padded with empty chunks when there are fewer
+    samples than the aligned count.
 
-Invariants: every index in exactly one bin; no bin empty; a bin over capacity holds one
+Invariants: every index in exactly one bin; a bin is empty only as padding, and padding
+appears only when the step has fewer samples than bins; a bin over capacity holds one
 sample; splitting never raises a bin's tokens; merging keeps the cap.
 """
 
@@ -29,8 +35,6 @@ from __future__ import annotations
 import heapq
 
 import numpy as np
-
-from vgbs_ray.errors import ScheduleError
 
 
 def first_fit_decreasing(sizes, capacity: int) -> list[list[int]]:
@@ -98,12 +102,13 @@ def _halve(members: list[int], sizes: np.ndarray) -> tuple[list[int], list[int]]
 
 
 def split_to_alignment(bins: list[list[int]], sizes, align: int, capacity: int | None = None) -> list[list[int]]:
-    """Make the bin count a positive multiple of `align`.
+    """Make the bin count a positive multiple of `align` (see the module docstring).
 
     First by splitting the heaviest multi-sample bins into token-balanced halves (up to the
-    next multiple). If too few samples can be split off (e.g. several lone oversize
-    samples), by merging the two lightest bins while they fit `capacity` (down to the
-    previous multiple, never below `align`). Raises ScheduleError when neither works.
+    next multiple). If too few samples can be split off, by merging the two lightest bins
+    while they fit `capacity` (down to the previous multiple, never below `align`). If
+    neither works, every sample gets its own bin and empty padding bins fill up to the
+    next multiple (`count_padding` tells how many). Never raises.
     """
     sizes = np.asarray(sizes, dtype=np.int64)
     result = [list(b) for b in bins]
@@ -116,11 +121,12 @@ def split_to_alignment(bins: list[list[int]], sizes, align: int, capacity: int |
         merged = _merge_down(result, sizes, lower, capacity)
         if merged is not None:
             return merged
-    raise ScheduleError(
-        f"cannot make a multiple of dp_size*mb_group={align} micro-batches from {num_samples} samples "
-        f"in {len(result)} micro-batches: every micro-batch needs a sample and merging would break the "
-        "token cap; raise max_tokens_per_gpu or global_batch_size"
-    )
+    return _split_up(result, sizes, num_samples) + [[] for _ in range(target - num_samples)]
+
+
+def count_padding(bins) -> int:
+    """Empty (padding) bins: micro-batches that carry no sample and no weight."""
+    return sum(1 for b in bins if not b)
 
 
 def _split_up(result: list[list[int]], sizes: np.ndarray, target: int) -> list[list[int]]:
@@ -157,16 +163,13 @@ def static_chunks(num_samples: int, micro_batch_size: int, align: int) -> list[l
     """Contiguous chunks of positions 0..num_samples-1 for the static path.
 
     The chunk count is the smallest multiple of `align` that keeps every chunk at most
-    `micro_batch_size` samples and at least one. Raises ScheduleError if none exists.
+    `micro_batch_size` samples. With fewer samples than that count, each sample is its own
+    chunk and empty padding chunks fill up to it.
     """
     fewest = -(-num_samples // micro_batch_size)
     count = max(align, -(-fewest // align) * align)
     if count > num_samples:
-        raise ScheduleError(
-            f"static micro_batch_size={micro_batch_size} cannot lay {num_samples} samples out as a "
-            f"multiple of dp_size*mb_group={align} non-empty micro-batches; use max_tokens_per_gpu "
-            "(dynamic packing) for rollouts with several samples"
-        )
+        return [[i] for i in range(num_samples)] + [[] for _ in range(count - num_samples)]
     base, extra = divmod(num_samples, count)
     chunks, start = [], 0
     for c in range(count):

@@ -5,17 +5,20 @@
 1. Group samples by rollout id; rollouts keep first-arrival order. Siblings are never
    split across steps.
 2. Plan steps by rollouts: floor(R / gbs) full steps of the oldest rollouts; the rest are
-   leftover, or (leftover="partial") one smaller final step if it can be laid out.
+   leftover, or (leftover="partial") one smaller final step.
 3. Pack each step: dynamic -> first-fit-decreasing under max_tokens_per_gpu * cp_size,
    then split the heaviest micro-batches until the count is a multiple of
-   dp_size * mb_group (vpp > 1) or dp_size; static -> chunks of micro_batch_size.
+   dp_size * mb_group (vpp > 1) or dp_size; static -> chunks of micro_batch_size. A step
+   with fewer samples than that count gets empty padding micro-batches (zero weight), so
+   any step with a sample can be laid out (`packing.split_to_alignment`).
 4. Distribute micro-batches over ranks, equal counts: strided, or balanced on tokens or
    FLOPs with sample-level refinement, always under the token cap (`balancing`).
 
 Invariants (tests/test_schedule_properties.py checks each on random inputs):
 coverage of exactly the scheduled rollouts' samples; no sample on two ranks; each rank's
 micro_batch_indices tile range(len(partition)); every rank runs num_microbatches[k]
-micro-batches in step k, a multiple of mb_group under vpp; every micro-batch within the
+micro-batches in step k, a multiple of mb_group under vpp; a micro-batch is empty only as
+padding of a step with fewer samples than micro-batches; every micro-batch within the
 cap unless it is one oversize sample; a rollout's samples all in one step; steps take
 rollouts in arrival order; num_rollouts[k] == gbs except a partial last step; the same
 input gives the same schedule.
@@ -30,7 +33,6 @@ import numpy as np
 
 from vgbs_ray.balancing import distribute
 from vgbs_ray.config import BatchConfig, ParallelConfig, check_schedule_configs
-from vgbs_ray.errors import ScheduleError
 from vgbs_ray.packing import first_fit_decreasing, split_to_alignment, static_chunks
 
 __all__ = [
@@ -61,6 +63,11 @@ class StepLayout:
     def num_microbatches(self) -> int:
         """Micro-batches per rank (the same on every rank)."""
         return len(self.rank_micro_batches[0])
+
+    @property
+    def num_padding_microbatches(self) -> int:
+        """Empty micro-batches over all ranks (zero samples, zero weight)."""
+        return sum(1 for rank in self.rank_micro_batches for mb in rank if not mb)
 
     @property
     def sample_indices(self) -> list[int]:
@@ -137,7 +144,8 @@ def layout_step(
 ) -> StepLayout:
     """Pack and distribute one step's samples (global indices) over the DP ranks.
 
-    Raises ScheduleError if the samples cannot fill the aligned micro-batch count.
+    Never fails for a valid config pair: a step with fewer samples than the aligned
+    micro-batch count gets empty padding micro-batches.
     """
     sample_indices = np.asarray(sorted(sample_indices), dtype=np.int64)
     lengths = np.asarray(total_lengths, dtype=np.int64)[sample_indices]
@@ -178,7 +186,7 @@ def build_dp_schedule(
         batch: gbs in rollouts, token cap or micro-batch size, balance and leftover policy.
     Returns:
         DPSchedule. Rollouts past the last full step are leftover unless leftover="partial"
-        and they can be laid out as one smaller step.
+        (then they are one smaller step, padded if it holds fewer samples than micro-batches).
     Raises:
         ConfigError for a config pair that can never be laid out (e.g. static misalignment);
         ValueError if the two sequences differ in length.
@@ -201,9 +209,6 @@ def build_dp_schedule(
     steps = [step_of(ordered[k * gbs:(k + 1) * gbs]) for k in range(num_full)]
     leftover = ordered[num_full * gbs:]
     if leftover and batch.leftover == "partial":
-        try:
-            steps.append(step_of(leftover))
-            leftover = []
-        except ScheduleError:
-            pass  # too few samples to give every rank a micro-batch: stays leftover
+        steps.append(step_of(leftover))
+        leftover = []
     return DPSchedule.from_steps(steps, leftover, parallel.dp_size)
