@@ -3,7 +3,8 @@
 Rank 0 picks a free TCP port on its node and publishes `host:port`; every rank then joins
 the default group with `init_method=tcp://host:port` (a peer that never joins fails the
 others after `timeout_s`, it does not hang), and Megatron builds its TP / PP / CP / DP
-groups (DP derived: world / (tp * pp * cp)) with the same timeout.
+groups (DP derived: world / (tp * pp * cp)) with the same timeout. Megatron's rank order puts
+TP peers on consecutive ranks (then CP, DP, PP), so a PACK placement keeps them on one node.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def find_free_port() -> int:
 
 
 def init_distributed(*, rank: int, world_size: int, master_addr: str, master_port: int, backend: str,
-                     timeout_s: float, tp_size: int, pp_size: int, cp_size: int) -> RankInfo:
+                     timeout_s: float, tp_size: int, pp_size: int, cp_size: int, vpp_size: int = 1) -> RankInfo:
     """Join the process group and initialise Megatron's parallel state; returns this rank's place."""
     from megatron.core import parallel_state
 
@@ -37,6 +38,7 @@ def init_distributed(*, rank: int, world_size: int, master_addr: str, master_por
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
+        virtual_pipeline_model_parallel_size=vpp_size if vpp_size > 1 else None,
         context_parallel_size=cp_size,
         # A float is fine: Megatron only builds a timedelta from it.
         distributed_timeout_minutes=timeout_s / 60.0,
@@ -47,6 +49,7 @@ def init_distributed(*, rank: int, world_size: int, master_addr: str, master_por
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         cp_rank=parallel_state.get_context_parallel_rank(),
+        pp_size=pp_size,
     )
 
 

@@ -74,10 +74,12 @@ class SDPAAttention(MegatronModule):
 
 
 def transformer_config(config: ModelConfig, *, tp_size: int, pp_size: int, cp_size: int,
-                       on_gpu: bool) -> TransformerConfig:
+                       on_gpu: bool, vpp_size: int = 1,
+                       microbatch_group_size_per_vp_stage: int | None = None) -> TransformerConfig:
     """The Megatron TransformerConfig for `config` under the given parallel sizes."""
     dtype = torch.bfloat16 if config.params_dtype == "bfloat16" else torch.float32
     return TransformerConfig(
+        **_pipeline_settings(pp_size, vpp_size, microbatch_group_size_per_vp_stage, dtype),
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
         num_attention_heads=config.num_attention_heads,
@@ -103,9 +105,27 @@ def transformer_config(config: ModelConfig, *, tp_size: int, pp_size: int, cp_si
     )
 
 
+def _pipeline_settings(pp_size: int, vpp_size: int, group: int | None, dtype: torch.dtype) -> dict:
+    """TransformerConfig fields of Megatron's pipeline schedule (PLATFORM_NOTES, "Megatron's own schedule").
+
+    Micro-batches are packed rows of different lengths: stages exchange shapes first
+    (`variable_seq_lengths`, which Megatron accepts only with the alltoall dispatcher). Batched
+    p2p under VPP swaps messages silently when previous and next rank are one process (PP=2):
+    overlapped, unbatched p2p instead.
+    """
+    if pp_size == 1:
+        return {}
+    return dict(pipeline_dtype=dtype, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+                batch_p2p_comm=False, overlap_p2p_comm=vpp_size > 1,
+                virtual_pipeline_model_parallel_size=vpp_size if vpp_size > 1 else None,
+                microbatch_group_size_per_vp_stage=group)
+
+
 def build_gpt_model(config: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, cp_size: int = 1,
-                    on_gpu: bool = False, pre_process: bool = True, post_process: bool = True) -> GPTModel:
-    """Build the GPTModel; deterministic for a given `config.seed` (see module docstring)."""
+                    on_gpu: bool = False, pre_process: bool = True, post_process: bool = True,
+                    vpp_size: int = 1, vp_stage: int | None = None,
+                    microbatch_group_size_per_vp_stage: int | None = None) -> GPTModel:
+    """Build the GPTModel (with pp_size > 1: this stage's chunk `vp_stage`); deterministic for a given `config.seed`."""
     torch.manual_seed(config.seed)
     if on_gpu and transformer_engine_available():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -115,7 +135,9 @@ def build_gpt_model(config: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, 
         spec = copy.deepcopy(get_gpt_layer_local_spec())
         spec.submodules.self_attention.submodules.core_attention = SDPAAttention
     model = GPTModel(
-        config=transformer_config(config, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size, on_gpu=on_gpu),
+        config=transformer_config(config, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size, on_gpu=on_gpu,
+                                  vpp_size=vpp_size,
+                                  microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage),
         transformer_layer_spec=spec,
         vocab_size=config.vocab_size,
         max_sequence_length=config.max_sequence_length,
@@ -123,6 +145,7 @@ def build_gpt_model(config: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, 
         post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=False,
+        vp_stage=vp_stage,
         position_embedding_type="learned_absolute",
     )
     return model.cuda() if on_gpu else model

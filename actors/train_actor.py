@@ -3,8 +3,9 @@
 Created cheaply (no Megatron import) on its placement-group bundle; `setup` joins
 torch.distributed and Megatron's groups and builds the model, so every rank imports
 Megatron in parallel. A step either comes as a shard (`train_shard`) or is pulled from the
-SchedulerActor (`train_step`): get this DP rank's ShardRef for step k, train it, and (one
-rank per DP replica) ack with this rank's metric pairs.
+SchedulerActor (`train_step`): get this DP rank's ShardRef for step k, train it, and (the
+lead rank of each DP replica: TP/CP rank 0 of the last pipeline stage) ack with its replica's
+metric pairs.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class TrainActor:
         c = self.config
         self.info = init_distributed(rank=self.rank, world_size=c.world_size, master_addr=master_addr,
                                      master_port=master_port, backend=c.backend, timeout_s=c.collective_timeout_s,
-                                     tp_size=c.tp_size, pp_size=c.pp_size, cp_size=c.cp_size)
+                                     tp_size=c.tp_size, pp_size=c.pp_size, cp_size=c.cp_size,
+                                     vpp_size=c.vpp_size)
         self.trainer = RankTrainer(c, self.info)
         return self.info
 
@@ -64,8 +66,8 @@ class TrainActor:
             return None
         shard = ray.get(shard_ref.ref, timeout=timeout_s + _RPC_MARGIN_S)
         result = self.trainer.train_shard(shard)
-        if self.info.is_lead:
-            ray.get(scheduler.ack_step.remote(step, dp_rank, result.local_metrics), timeout=_RPC_MARGIN_S)
+        if self.info.is_lead:  # the replica's metrics travel in this ack (and in the result), never in a collective
+            ray.get(scheduler.ack_step.remote(step, dp_rank, result.metrics), timeout=_RPC_MARGIN_S)
         return result
 
     def state_dict(self) -> dict:
@@ -93,6 +95,9 @@ class TrainActor:
 
     def full_parameters(self) -> dict:
         return self.trainer.full_parameters()
+
+    def load_full_parameters(self, full: dict) -> None:
+        self.trainer.load_full_parameters(full)
 
     def shutdown(self) -> None:
         from actors.distributed import destroy_distributed

@@ -93,11 +93,17 @@ class TrainGroupConfig:
     dp_size: int = 1
     tp_size: int = 1
     pp_size: int = 1
-    """Pipeline stages; only 1 is implemented (see README Training)."""
+    """Pipeline stages (Megatron's 1F1B schedule; interleaved with vpp_size > 1). Divides model.num_layers."""
+    vpp_size: int = 1
+    """Virtual pipeline stages (model chunks) per pipeline rank; > 1 needs pp_size > 1 and
+    model.num_layers divisible by pp_size * vpp_size."""
+    microbatch_group_size_per_vp_stage: int | None = None
+    """Interleaved schedule: micro-batches run per virtual stage before switching chunks
+    (Megatron's N; None = pp_size). The scheduler aligns every rank's micro-batch count to it."""
     cp_size: int = 1
-    """Context-parallel size; only 1 is implemented (see README Training)."""
+    """Context-parallel size: GPU only (Megatron's CP for packed sequences needs Transformer Engine attention)."""
     backend: Literal["gloo", "nccl"] = "gloo"
-    """gloo: CPU path (hand-written micro-batch loop). nccl: GPU path (Megatron schedule, DDP, optimizer)."""
+    """gloo: CPU ranks; nccl: one GPU per rank. Both run Megatron's schedule, DDP and optimizer."""
     placement_strategy: PlacementStrategy = "PACK"
     num_cpus_per_actor: float = 1.0
     placement_timeout_s: float = 60.0
@@ -110,14 +116,15 @@ class TrainGroupConfig:
     """A whole step (including waiting for the scheduler's shard) must finish within this."""
 
     def __post_init__(self):
-        for name in ("dp_size", "tp_size", "pp_size", "cp_size"):
+        for name in ("dp_size", "tp_size", "pp_size", "vpp_size", "cp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"TrainGroupConfig.{name} must be a positive integer, got {value!r}")
-        if self.pp_size != 1 or self.cp_size != 1:
+        self._check_pipeline()
+        if self.cp_size != 1 and self.backend != "nccl":
             raise ConfigError(
-                f"TrainGroupConfig: pp_size={self.pp_size}, cp_size={self.cp_size}: pipeline and context "
-                "parallelism are not implemented by the TrainActor yet; set pp_size=1 and cp_size=1"
+                f"TrainGroupConfig.cp_size={self.cp_size} needs backend='nccl': Megatron's context parallelism "
+                "for packed sequences runs only in Transformer Engine's GPU attention; on CPU set cp_size=1"
             )
         if self.model.num_attention_heads % self.tp_size:
             raise ConfigError(f"TrainGroupConfig.tp_size={self.tp_size} must divide "
@@ -131,6 +138,24 @@ class TrainGroupConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"TrainGroupConfig.{name} must be > 0 seconds, got {getattr(self, name)}")
 
+    def _check_pipeline(self) -> None:
+        pp, vpp, layers = self.pp_size, self.vpp_size, self.model.num_layers
+        if vpp > 1 and pp == 1:
+            raise ConfigError(f"TrainGroupConfig.vpp_size={vpp} needs pp_size > 1 (virtual stages interleave "
+                              "pipeline ranks); set vpp_size=1 or raise pp_size")
+        if layers % (pp * vpp):
+            raise ConfigError(f"TrainGroupConfig: model.num_layers={layers} must be divisible by pp_size * vpp_size "
+                              f"= {pp * vpp} (every model chunk holds the same number of layers)")
+        group = self.microbatch_group_size_per_vp_stage
+        if group is not None and (not isinstance(group, int) or group < pp):
+            raise ConfigError(f"TrainGroupConfig.microbatch_group_size_per_vp_stage={group!r} must be an integer "
+                              f">= pp_size={pp} (Megatron's interleaved schedule), or None for pp_size")
+
+    @property
+    def microbatch_group(self) -> int:
+        """Megatron's micro-batch group per virtual stage (N): the configured one, or pp_size."""
+        return self.microbatch_group_size_per_vp_stage or self.pp_size
+
     @property
     def world_size(self) -> int:
         return self.dp_size * self.tp_size * self.pp_size * self.cp_size
@@ -141,9 +166,9 @@ class TrainGroupConfig:
 
     @property
     def parallel_config(self) -> ParallelConfig:
-        """The layout the scheduler needs: dp, cp, vpp (1: no virtual pipeline), micro-batch group."""
-        return ParallelConfig(dp_size=self.dp_size, cp_size=self.cp_size, vpp_size=1,
-                              microbatch_group_size_per_vp_stage=1)
+        """The layout the scheduler needs: dp, cp, vpp, micro-batch group (1 without virtual stages)."""
+        return ParallelConfig(dp_size=self.dp_size, cp_size=self.cp_size, vpp_size=self.vpp_size,
+                              microbatch_group_size_per_vp_stage=self.microbatch_group if self.vpp_size > 1 else 1)
 
 
 @dataclass(frozen=True)
@@ -155,11 +180,17 @@ class RankInfo:
     tp_rank: int
     pp_rank: int
     cp_rank: int
+    pp_size: int = 1
+
+    @property
+    def is_last_stage(self) -> bool:
+        """The pipeline stage that computes the loss and the metrics."""
+        return self.pp_rank == self.pp_size - 1
 
     @property
     def is_lead(self) -> bool:
-        """The one rank of its DP replica that acks the step to the scheduler."""
-        return self.tp_rank == 0 and self.pp_rank == 0 and self.cp_rank == 0
+        """The one rank of its DP replica that reports metrics (acks the step): TP/CP rank 0 of the last stage."""
+        return self.tp_rank == 0 and self.cp_rank == 0 and self.is_last_stage
 
 
 @dataclass(frozen=True)
@@ -172,10 +203,9 @@ class RankStepResult:
     num_rollouts: int
     num_microbatches: int
     path: Literal["layout", "legacy"]
-    local_metrics: MetricPairs
-    """This rank's (sum, count) pairs (what it acks to the scheduler)."""
-    reduced_metrics: MetricPairs
-    """(sum, count) pairs summed over the DP ranks (the same on every rank)."""
+    metrics: MetricPairs
+    """The (sum, count) pairs of this rank's DP replica, on the lead rank only (empty elsewhere):
+    metrics travel once, in the lead's ack or result; whoever needs the step's totals sums them."""
     lr: float
     grad_norm: float
     step_time_s: float

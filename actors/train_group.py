@@ -36,7 +36,7 @@ from actors.train_actor import train_actor_class
 from actors.train_config import RankInfo, RankStepResult, StepResult, TrainGroupConfig
 from vgbs_ray.config import ParallelConfig
 from vgbs_ray.errors import VgbsError
-from vgbs_ray.metrics import metric_values
+from vgbs_ray.metrics import metric_values, reduce_metric_pairs
 from vgbs_ray.shard import StepShard
 
 log = logging.getLogger(__name__)
@@ -165,8 +165,14 @@ class TrainGroup:
         self._gather([a.load_checkpoint.remote(str(path)) for a in self.actors],
                      self.config.step_timeout_s, "load_checkpoint")
 
+    def load_full_parameters(self, full: dict) -> None:
+        """Set every rank's parameters from whole-model arrays (global names, as `full_parameters` gives)."""
+        ref = ray.put(full)
+        self._gather([a.load_full_parameters.remote(ref) for a in self.actors], self.config.step_timeout_s,
+                     "load_full_parameters")
+
     def full_parameters(self) -> dict:
-        """The whole model's parameters (TP shards gathered), as numpy arrays, from DP replica 0."""
+        """The whole model's parameters (TP shards gathered, PP stages joined), as numpy arrays, from DP replica 0."""
         gathered = self._gather([a.full_parameters.remote() for a in self.actors],
                                 self.config.step_timeout_s, "full_parameters")
         return gathered[0]
@@ -203,12 +209,14 @@ def _resources(available: dict) -> str:
 
 
 def _combine(results: list[RankStepResult]) -> StepResult:
+    """One step's result: the lead ranks' metric pairs summed (count-weighted), the slowest rank's time."""
     first = results[0]
+    pairs = reduce_metric_pairs([r.metrics for r in results if r.metrics])
     return StepResult(
         step=first.step,
         num_rollouts=first.num_rollouts,
-        metrics=metric_values(first.reduced_metrics),
-        metric_pairs=first.reduced_metrics,
+        metrics=metric_values(pairs),
+        metric_pairs=pairs,
         lr=first.lr,
         grad_norm=first.grad_norm,
         step_time_s=max(r.step_time_s for r in results),

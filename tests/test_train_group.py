@@ -65,7 +65,7 @@ def test_dp2_many_micro_batches_match_dp1_one_micro_batch_in_every_balance_mode(
         result = dp2_group.train_shards(shards)
         assert result.path == "layout" and result.num_microbatches == shards[0].num_microbatches >= 3
         assert_same_update(expected, update_between(before, dp2_group.full_parameters()))
-        for name, (total, count) in expected_result.reduced_metrics.items():  # count-weighted, not mean of means
+        for name, (total, count) in expected_result.metrics.items():  # count-weighted, not mean of means
             assert result.metric_pairs[name] == pytest.approx((total, count), rel=1e-5, abs=1e-6), (balance, name)
     dp2_group.load_state_dict(initial)
     result = dp2_group.train_shards(build_legacy_shards(samples, 0, 2))

@@ -17,7 +17,6 @@ from tests.train_support import (assert_same_update, inprocess_trainer, make_sam
                            reference_update, relative_difference, sgd_config, update_between)
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.lr_schedule import LRScheduleConfig, lr_at
-from vgbs_ray.policy_loss import METRIC_NAMES
 from vgbs_ray.sample import make_rollout
 from vgbs_ray.schedule import build_dp_schedule
 from vgbs_ray.shard import build_legacy_shards, build_step_shards
@@ -45,7 +44,7 @@ def test_one_micro_batch_and_many_give_the_same_update():
     many, r2 = _train_one_step(sgd_config(), samples, max_tokens=100)
     assert r1.num_microbatches == 1 and r2.num_microbatches > 4
     assert_same_update(one, many)
-    assert r1.reduced_metrics["loss"][0] == pytest.approx(r2.reduced_metrics["loss"][0], rel=1e-5)
+    assert r1.metrics["loss"][0] == pytest.approx(r2.metrics["loss"][0], rel=1e-5)
 
 
 def test_update_is_mean_over_rollouts_of_token_means():
@@ -53,8 +52,8 @@ def test_update_is_mean_over_rollouts_of_token_means():
     update, result = _train_one_step(sgd_config(), samples, max_tokens=120)
     expected = reference_update(sgd_config().model, None, samples, lr=1.0)
     assert_same_update(expected, update)
-    assert result.reduced_metrics["loss"][1] == pytest.approx(8)  # one unit per rollout
-    assert 0 < result.reduced_metrics["clip_fraction"][0]  # the test exercises the clipped branch
+    assert result.metrics["loss"][1] == pytest.approx(8)  # one unit per rollout
+    assert 0 < result.metrics["clip_fraction"][0]  # the test exercises the clipped branch
 
 
 def test_no_op_with_one_sample_per_rollout():
@@ -99,18 +98,18 @@ def test_variable_size_steps_24_then_8_rollouts():
     trainer = inprocess_trainer(config)
     results = []
     for k, step in enumerate(schedule.steps):
-        before, state = trainer.full_parameters(), trainer.state_dict()["model"]
+        before = trainer.full_parameters()
         results.append(trainer.train_shard(build_step_shards(samples, step, k)[0]))
         step_samples = [samples[i] for i in step.sample_indices]
-        expected = reference_update(config.model, state, step_samples, lr=results[-1].lr)
+        expected = reference_update(config.model, before, step_samples, lr=results[-1].lr)
         assert_same_update(expected, update_between(before, trainer.full_parameters()))
     assert [r.num_rollouts for r in results] == [24, 8]
-    assert [r.reduced_metrics["loss"][1] for r in results] == pytest.approx([24, 8])
+    assert [r.metrics["loss"][1] for r in results] == pytest.approx([24, 8])
     assert [r.lr for r in results] == pytest.approx([lr_at(lr_config, 24), lr_at(lr_config, 32)])
     assert [r.consumed_rollouts for r in results] == [24, 32]
 
 
-def test_a_step_issues_only_gradient_and_metric_sums():
+def test_a_step_issues_only_the_gradient_and_grad_norm_sums():
     """Two spawned gloo ranks record every torch.distributed collective of a step."""
     samples = make_samples(17, 8)
     layout = build_step_shards(samples, _schedule(samples, dp_size=2, max_tokens=100).steps[0], 0)
@@ -135,8 +134,26 @@ def test_a_step_issues_only_gradient_and_metric_sums():
         assert error is None, f"rank {rank}: {error}"
         calls, num_microbatches = by_phase["layout"]
         assert num_microbatches == layout[rank].num_microbatches > 1
-        # exactly: the gradient SUM (one flat buffer), then the metric (sum, count) SUM
-        assert calls == [("all_reduce", "SUM", num_params), ("all_reduce", "SUM", 2 * len(METRIC_NAMES))]
+        # exactly: Megatron DDP's gradient SUM (one flat buffer), then its optimizer's SUM of the squared
+        # grad norm over the model-parallel group. Metrics travel in the result, not in a collective.
+        assert calls == [("all_reduce", "SUM", num_params), ("all_reduce", "SUM", 1)]
         legacy_calls, _ = by_phase["legacy"]
         assert legacy_calls[0][:2] == ("all_reduce", "MAX")  # the legacy path must agree on a count
         assert legacy_calls[1:] == calls
+
+
+def test_padding_micro_batches_run_as_zero_contributions():
+    """Empty entries in a shard's layout (the scheduler's padding) change neither update nor metrics."""
+    samples = make_samples(18, 8)
+    plain, plain_result = _train_one_step(sgd_config(), samples, max_tokens=120)
+    shard = build_step_shards(samples, _schedule(samples, max_tokens=120).steps[0], 0)[0]
+    padded = dataclasses.replace(shard, micro_batch_indices=[[], *shard.micro_batch_indices, []],
+                                 num_microbatches=shard.num_microbatches + 2)
+    trainer = inprocess_trainer(sgd_config())
+    before = trainer.full_parameters()
+    result = trainer.train_shard(padded)
+    assert result.num_microbatches == plain_result.num_microbatches + 2
+    assert_same_update(plain, update_between(before, trainer.full_parameters()))
+    assert set(result.metrics) == set(plain_result.metrics)
+    for name, pair in plain_result.metrics.items():
+        assert result.metrics[name] == pytest.approx(pair, rel=1e-6), name

@@ -106,8 +106,8 @@ def reference_update(model_config: ModelConfig, model_state: dict | None, sample
     from actors.model import build_gpt_model
 
     model = build_gpt_model(model_config)
-    if model_state is not None:
-        model.load_state_dict(model_state, strict=False)
+    if model_state is not None:  # whole-model parameters by name (`full_parameters`)
+        model.load_state_dict({k: torch.as_tensor(v) for k, v in model_state.items()}, strict=False)
     per_sample = []  # (rollout id, masked loss sum, mask tokens)
     for s in samples:
         tokens = torch.as_tensor(s.tokens, dtype=torch.long).unsqueeze(0)
