@@ -19,6 +19,7 @@ patches nothing (the GPU path runs Megatron unmodified).
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import torch
@@ -113,3 +114,45 @@ def activate() -> bool:
     modules["megatron.core.optimizer.optimizer"].clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     _active = True
     return True
+
+
+# -- rotary position embeddings (RoPE) ---------------------------------------------------
+# `RotaryEmbedding.get_emb` moves a CPU `inv_freq` to `torch.cuda.current_device()` at the first
+# forward pass (0.16.1, no flag avoids it). The fix is per model instance: its RotaryEmbedding
+# gets a subclass whose `get_emb` is the same computation without that move. No library global
+# changes; the GPU path (CUDA present) keeps Megatron's class.
+
+
+@functools.cache
+def _cpu_rotary_embedding_class():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    class CpuRotaryEmbedding(RotaryEmbedding):
+        """Megatron's RotaryEmbedding with `inv_freq` kept where it is (the CPU)."""
+
+        def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+            freqs = self.get_freqs_non_repeated(max_seq_len, offset)  # [s, dim / 2]
+            if self.rotary_interleaved:  # channel pairs (0, 1), (2, 3), ...
+                emb = torch.stack((freqs, freqs), dim=-1).reshape(freqs.shape[0], -1)
+            else:  # rotate-half (Llama / HF): first half and second half share a frequency
+                emb = torch.cat((freqs, freqs), dim=-1)
+            return emb[:, None, None, :]  # [s, 1, 1, dim]
+
+    return CpuRotaryEmbedding
+
+
+def make_rotary_embedding_cpu_safe(model: torch.nn.Module) -> bool:
+    """Give every RotaryEmbedding inside `model` the CPU `get_emb`; True if any changed.
+
+    Does nothing when CUDA is available. Idempotent.
+    """
+    if torch.cuda.is_available():
+        return False
+    cpu_class = _cpu_rotary_embedding_class()
+    megatron_class = cpu_class.__bases__[0]
+    changed = False
+    for module in model.modules():
+        if type(module) is megatron_class:  # exactly Megatron's class (YaRN etc. have their own get_emb)
+            module.__class__ = cpu_class
+            changed = True
+    return changed

@@ -1,4 +1,8 @@
-"""The policy model: a Megatron-Core GPTModel built from a frozen config.
+"""The policy model: a Llama-architecture Megatron-Core GPTModel built from a frozen config.
+
+RMSNorm, SwiGLU MLP (`linear_fc1` holds [gate; up]), rotary position embeddings, grouped-query
+attention, no biases, untied input/output embeddings: the layout `vgbs_ray.hf_mapping` maps
+one-to-one onto Hugging Face `LlamaForCausalLM`.
 
 Attention. Micro-batches are THD packed sequences; Megatron's local `DotProductAttention`
 rejects packed sequences (and allocates on CUDA), so:
@@ -6,7 +10,9 @@ rejects packed sequences (and allocates on CUDA), so:
 - otherwise (CPU, or GPU without TE): the local spec with `core_attention` swapped for
   `SDPAAttention` below (scaled_dot_product_attention, causal within each packed sequence
   as `cu_seqlens` delimits it: a token never sees another sequence).
-Positions are learned absolute embeddings (RoPE asks for a CUDA device on CPU, PLATFORM_NOTES).
+RoPE: with THD packing, positions restart at every sequence only because callers pass the
+longest sequence as `max_seqlen` (`packed_seq_params`); Megatron's rotary embedding asks for a
+CUDA device on CPU, which `megatron_cpu_compat.make_rotary_embedding_cpu_safe` removes.
 On CPU every fusion is off. With `use_cpu_initialization` the full weights are drawn from torch's generator and
 then split, so a TP=2 model starts from exactly the TP=1 weights for the same seed.
 
@@ -16,6 +22,7 @@ Must be called after `parallel_state.initialize_model_parallel`.
 from __future__ import annotations
 
 import copy
+import re
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +32,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from actors.megatron_cpu_compat import make_rotary_embedding_cpu_safe
 from actors.train_config import ModelConfig
 from vgbs_ray.errors import ConfigError
 
@@ -85,6 +93,13 @@ def transformer_config(config: ModelConfig, *, tp_size: int, pp_size: int, cp_si
         num_attention_heads=config.num_attention_heads,
         num_query_groups=config.num_query_groups,
         ffn_hidden_size=config.ffn_hidden_size,
+        # Llama: RMSNorm, SwiGLU (silu-gated fc1 = [gate; up]), no biases anywhere.
+        normalization="RMSNorm",
+        layernorm_epsilon=config.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
         context_parallel_size=cp_size,
@@ -132,7 +147,7 @@ def build_gpt_model(config: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, 
 
         spec = get_gpt_layer_with_transformer_engine_spec()
     else:
-        spec = copy.deepcopy(get_gpt_layer_local_spec())
+        spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
         spec.submodules.self_attention.submodules.core_attention = SDPAAttention
     model = GPTModel(
         config=transformer_config(config, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size, on_gpu=on_gpu,
@@ -140,15 +155,51 @@ def build_gpt_model(config: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, 
                                   microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage),
         transformer_layer_spec=spec,
         vocab_size=config.vocab_size,
-        max_sequence_length=config.max_sequence_length,
+        max_sequence_length=config.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=False,
         vp_stage=vp_stage,
-        position_embedding_type="learned_absolute",
+        position_embedding_type="rope",
+        rotary_base=config.rope_theta,  # GPTModel reads the base from this argument, not from the config
     )
-    return model.cuda() if on_gpu else model
+    if config.hf_checkpoint_dir is not None:
+        _load_initial_weights(model, config)
+    if on_gpu:
+        return model.cuda()
+    make_rotary_embedding_cpu_safe(model)
+    return model
+
+
+def _load_initial_weights(model: GPTModel, config: ModelConfig) -> None:
+    """Weights from `config.hf_checkpoint_dir`, whose config.json must describe the same model."""
+    from dataclasses import fields
+
+    from actors.hf_checkpoint import load_hf_weights, model_config_from_hf, read_hf_weights
+
+    path = config.hf_checkpoint_dir
+    expected = model_config_from_hf(path, seed=config.seed, params_dtype=config.params_dtype)
+    differ = [f"{f.name}={getattr(config, f.name)!r} (checkpoint: {getattr(expected, f.name)!r})"
+              for f in fields(config) if getattr(config, f.name) != getattr(expected, f.name)]
+    if differ:
+        raise ConfigError(f"ModelConfig does not match {path}/config.json: {', '.join(differ)}; build the "
+                          "config with actors.hf_checkpoint.model_config_from_hf")
+    load_hf_weights(model, read_hf_weights(path), config)
+
+
+def named_parameters_global(model: GPTModel):
+    """(name, parameter) pairs named as in the whole (PP=1) model: a pipeline stage's layer
+    indices are local to it, `layer_number` (1-based) is global."""
+    for name, param in model.named_parameters():
+        match = _LAYER_PREFIX.match(name)
+        if match:
+            layer = model.decoder.layers[int(match.group(1))]
+            name = f"decoder.layers.{layer.layer_number - 1}." + name[match.end():]
+        yield name, param
+
+
+_LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 def transformer_engine_available() -> bool:

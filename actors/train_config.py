@@ -20,29 +20,58 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """A GPT decoder (Megatron-Core GPTModel). The defaults are the tiny model of tests and the demo."""
+    """A Llama-architecture decoder (Megatron-Core GPTModel; maps one-to-one onto HF `LlamaForCausalLM`).
+
+    RMSNorm, SwiGLU MLP, rotary position embeddings, grouped-query attention, no biases,
+    untied input and output embeddings. The defaults are the tiny model of tests and the demo
+    (head_dim 32: vLLM's CPU attention refuses head dimensions under 32).
+    """
 
     num_layers: int = 2
-    hidden_size: int = 64
+    hidden_size: int = 128
     num_attention_heads: int = 4
-    num_query_groups: int | None = None
-    """Grouped-query attention groups; None = one per head."""
-    ffn_hidden_size: int | None = None
-    """None = 4 * hidden_size."""
+    num_query_groups: int = 2
+    """Grouped-query attention: key/value heads (HF `num_key_value_heads`); divides num_attention_heads."""
+    ffn_hidden_size: int = 256
+    """SwiGLU inner width (HF `intermediate_size`)."""
     vocab_size: int = 128
-    max_sequence_length: int = 256
-    """Longest sample (tokens): the learned position table's size."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base (HF `rope_theta`)."""
+    norm_epsilon: float = 1e-6
+    """RMSNorm epsilon (HF `rms_norm_eps`)."""
+    max_position_embeddings: int = 256
+    """Longest sample (tokens) the policy and the engines accept (HF `max_position_embeddings`)."""
     seed: int = 1234
     """Weights are drawn from torch's generator seeded with this (deterministic init)."""
     params_dtype: Literal["float32", "bfloat16"] = "float32"
+    hf_checkpoint_dir: str | None = None
+    """Start from the weights of this Hugging Face LlamaForCausalLM directory (config.json + safetensors)
+    instead of a random init; its config.json must match the fields above
+    (`actors.hf_checkpoint.model_config_from_hf` builds a matching config)."""
 
     def __post_init__(self):
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_sequence_length"):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                     "vocab_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(f"ModelConfig.hidden_size={self.hidden_size} must be a multiple of "
                               f"num_attention_heads={self.num_attention_heads}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(f"ModelConfig.num_query_groups={self.num_query_groups} must divide "
+                              f"num_attention_heads={self.num_attention_heads} (grouped-query attention)")
+        if self.head_dim % 2:
+            raise ConfigError(f"ModelConfig: head_dim = hidden_size / num_attention_heads = {self.head_dim} must be "
+                              "even (rotary embeddings rotate pairs of channels)")
+        if self.rope_theta <= 0 or self.norm_epsilon <= 0:
+            raise ConfigError(f"ModelConfig.rope_theta ({self.rope_theta}) and norm_epsilon ({self.norm_epsilon}) "
+                              "must be > 0")
+        if self.params_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"ModelConfig.params_dtype must be 'float32' or 'bfloat16', got {self.params_dtype!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,9 +155,10 @@ class TrainGroupConfig:
                 f"TrainGroupConfig.cp_size={self.cp_size} needs backend='nccl': Megatron's context parallelism "
                 "for packed sequences runs only in Transformer Engine's GPU attention; on CPU set cp_size=1"
             )
-        if self.model.num_attention_heads % self.tp_size:
-            raise ConfigError(f"TrainGroupConfig.tp_size={self.tp_size} must divide "
-                              f"model.num_attention_heads={self.model.num_attention_heads}")
+        if self.model.num_query_groups % self.tp_size:
+            raise ConfigError(f"TrainGroupConfig.tp_size={self.tp_size} must divide model.num_query_groups="
+                              f"{self.model.num_query_groups} (and so num_attention_heads): each TP rank holds "
+                              "whole key/value groups")
         if self.backend not in ("gloo", "nccl"):
             raise ConfigError(f"TrainGroupConfig.backend must be 'gloo' (CPU) or 'nccl' (GPU), got {self.backend!r}")
         if self.placement_strategy not in PLACEMENT_STRATEGIES:

@@ -70,10 +70,10 @@ class JobConfig:
     def __post_init__(self):
         check_schedule_configs(self.train.parallel_config, self.scheduler.batch)
         rollouts, model = self.producers.rollouts, self.train.model
-        if rollouts.max_sequence_length > model.max_sequence_length:
+        if rollouts.max_sequence_length > model.max_position_embeddings:
             raise ConfigError(
                 f"producers.rollouts.max_sequence_length={rollouts.max_sequence_length} exceeds "
-                f"train.model.max_sequence_length={model.max_sequence_length}: lower the first or raise the second"
+                f"train.model.max_position_embeddings={model.max_position_embeddings}: lower the first or raise the second"
             )
         if rollouts.vocab_size != model.vocab_size:
             raise ConfigError(

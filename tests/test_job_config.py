@@ -40,7 +40,7 @@ def test_overrides_change_only_the_named_keys():
         (["scheduler.batch.max_tokens_per_gpu=null", "scheduler.batch.micro_batch_size=3"],
          r"step_size % \(dp_size \* micro_batch_size \* mb_group\) == 0"),
         (["scheduler.batch.global_batch_size=1"], r"global_batch_size=1 rollouts is fewer than"),
-        (["producers.rollouts.max_sequence_length=1024"], r"exceeds train.model.max_sequence_length"),
+        (["producers.rollouts.max_sequence_length=1024"], r"exceeds train.model.max_position_embeddings"),
         (["train.tp_size=3"], r"tp_size=3 must divide"),
         (["scheduler.batch.balance=fast"], r"balance must be one of"),
         (["run"], r"section.key=value"),

@@ -1,0 +1,89 @@
+"""Tiny random Hugging Face Llama models made in code (nothing is downloaded), and Megatron helpers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from actors.train_config import ModelConfig
+
+
+def tiny_hf_llama(path: Path, *, seed: int = 0, vocab_size: int = 96, hidden_size: int = 128, num_layers: int = 2,
+                  num_heads: int = 4, num_kv_heads: int = 2, ffn: int = 192, rope_theta: float = 5000.0,
+                  rms_norm_eps: float = 1e-5):
+    """A random fp32 `LlamaForCausalLM` saved to `path` (config.json + model.safetensors); returns the model.
+
+    The norms are random too (HF initialises them to ones), so a mapping that swaps the two
+    norms of a layer changes the logits.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=ffn,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                         max_position_embeddings=256, rms_norm_eps=rms_norm_eps, rope_theta=rope_theta,
+                         tie_word_embeddings=False, attn_implementation="eager")
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.5 * torch.randn_like(p))
+    model.save_pretrained(str(path))
+    return model
+
+
+def hf_log_probs(model, tokens: list[int]) -> torch.Tensor:
+    """log p(tokens[t] | tokens[:t]) for t >= 1 under a transformers model, one sequence alone ([L - 1])."""
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0].float()
+    return torch.log_softmax(logits[:-1], dim=-1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+
+
+def megatron_logits(model, tokens: list[int]) -> torch.Tensor:
+    """Unpacked (sbhd) logits of one sequence, [L, vocab / tp]."""
+    with torch.no_grad():
+        ids = torch.tensor([tokens])
+        return model(ids, torch.arange(len(tokens))[None], None)[0].float()
+
+
+def model_config_for(path: Path, **overrides) -> ModelConfig:
+    from actors.hf_checkpoint import model_config_from_hf
+
+    return model_config_from_hf(path, **overrides)
+
+
+def tp_rank_worker(rank: int, world_size: int, port: int, hf_dir: str, sequences: list, results) -> None:
+    """Spawned per TP rank: build the policy from `hf_dir` at TP=world_size; rank 0 reports
+    (full-vocabulary logits per sequence, exported HF weights) or an error string."""
+    import os
+
+    try:
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        from actors.distributed import init_distributed
+        from actors.hf_checkpoint import export_hf_weights
+        from actors.model import build_gpt_model
+
+        init_distributed(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port,
+                         backend="gloo", timeout_s=60, tp_size=world_size, pp_size=1, cp_size=1)
+        config = model_config_for(Path(hf_dir))
+        model = build_gpt_model(config, tp_size=world_size).eval()
+        group = parallel_state.get_tensor_model_parallel_group()
+        logits = []
+        for tokens in sequences:
+            local = megatron_logits(model, tokens).contiguous()
+            parts = [torch.empty_like(local) for _ in range(world_size)]
+            dist.all_gather(parts, local, group=group)
+            logits.append(torch.cat(parts, dim=-1).numpy())  # the vocabulary is split over TP ranks
+        # numpy, not tensors: torch would send shared-memory handles that die with this process
+        exported = {name: tensor.numpy() for name, tensor in export_hf_weights(model, config).items()}
+        results.put((rank, logits, exported, None) if rank == 0 else (rank, None, None, None))
+    except BaseException as error:  # report, never hang the parent
+        results.put((rank, None, None, repr(error)))
+    finally:
+        results.close()
+        results.join_thread()
+        os._exit(0)  # skip gloo / Megatron teardown in the child

@@ -1,0 +1,167 @@
+"""Hugging Face LlamaForCausalLM checkpoints in and out of the Megatron policy (tiny random models made here).
+
+Megatron's logits equal transformers' (fp32, 1e-4) at TP=1 and TP=2; import then export gives
+the same tensors bit for bit (TP=1 and TP=2, gathered); the export loads in transformers; a THD
+packed micro-batch (the trainer's packing) gives the per-token log-probs of the HF model run
+one sequence at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+
+import numpy as np
+import pytest
+import torch
+
+from tests.hf_support import hf_log_probs, megatron_logits, model_config_for, tiny_hf_llama, tp_rank_worker
+from tests.train_support import ensure_single_process_group
+from vgbs_ray.errors import ConfigError
+
+VOCAB = 96
+SEQUENCES = [list(np.random.default_rng(seed).integers(0, VOCAB, length)) for seed, length in
+             ((1, 7), (2, 23), (3, 40), (4, 2))]
+SEQUENCES = [[int(t) for t in s] for s in SEQUENCES]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    return path, tiny_hf_llama(path, vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def megatron_tp1(hf_dir):
+    from actors.model import build_gpt_model
+
+    ensure_single_process_group()
+    config = model_config_for(hf_dir[0])
+    return config, build_gpt_model(config).eval()
+
+
+def test_megatron_logits_equal_transformers_at_tp1(hf_dir, megatron_tp1):
+    _, hf_model = hf_dir
+    _, model = megatron_tp1
+    for tokens in SEQUENCES:
+        with torch.no_grad():
+            expected = hf_model(torch.tensor([tokens])).logits[0]
+        got = megatron_logits(model, tokens)
+        assert got.shape == expected.shape
+        assert torch.allclose(got, expected, atol=1e-4, rtol=0), float((got - expected).abs().max())
+
+
+def test_import_then_export_is_bit_exact_and_loads_in_transformers(hf_dir, megatron_tp1, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from actors.hf_checkpoint import export_hf_weights, read_hf_weights, write_hf_checkpoint
+
+    path, hf_model = hf_dir
+    config, model = megatron_tp1
+    original = read_hf_weights(path)
+    exported = export_hf_weights(model, config)
+    assert set(exported) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+    out = write_hf_checkpoint(tmp_path / "export", config, exported)
+    reloaded = LlamaForCausalLM.from_pretrained(str(out), attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for tokens in SEQUENCES[:2]:
+            ids = torch.tensor([tokens])
+            assert torch.equal(reloaded(ids).logits, hf_model(ids).logits)
+    assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == config.num_query_groups
+
+
+def test_tp2_logits_equal_transformers_and_export_gathers_bit_exact(hf_dir):
+    from actors.distributed import find_free_port
+    from actors.hf_checkpoint import read_hf_weights
+
+    path, hf_model = hf_dir
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = find_free_port()
+    procs = [context.Process(target=tp_rank_worker, args=(rank, 2, port, str(path), SEQUENCES, results))
+             for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        reports = {}
+        for _ in procs:
+            rank, logits, exported, error = results.get(timeout=180)
+            assert error is None, f"TP rank {rank}: {error}"
+            reports[rank] = (logits, exported)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    logits, exported = reports[0]
+    for tokens, got in zip(SEQUENCES, logits):
+        got = torch.from_numpy(got)
+        with torch.no_grad():
+            expected = hf_model(torch.tensor([tokens])).logits[0]
+        assert torch.allclose(got, expected, atol=1e-4, rtol=0), float((got - expected).abs().max())
+    original = read_hf_weights(path)
+    assert set(exported) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(torch.from_numpy(exported[name]), tensor), name
+
+
+def test_packed_thd_log_probs_equal_transformers_one_sequence_at_a_time(hf_dir, megatron_tp1):
+    from actors.model import packed_seq_params
+    from vgbs_ray.config import BatchConfig, ParallelConfig
+    from vgbs_ray.microbatch import pack_micro_batch
+    from vgbs_ray.sample import make_rollout
+    from vgbs_ray.schedule import build_dp_schedule
+    from vgbs_ray.shard import build_step_shards
+
+    _, hf_model = hf_dir
+    _, model = megatron_tp1
+    sequences = [s for s in SEQUENCES if len(s) > 2]
+    samples = []
+    for i, tokens in enumerate(sequences):  # response = the second half of each sequence
+        response = len(tokens) // 2
+        samples += make_rollout(f"r{i}", [dict(tokens=np.array(tokens), response_length=response,
+                                                loss_mask=np.ones(response, np.int8))], reward=0.0, advantage=0.0)
+    schedule = build_dp_schedule([s.total_length for s in samples], [s.rollout_id for s in samples],
+                                 ParallelConfig(dp_size=1),
+                                 BatchConfig(global_batch_size=len(samples), max_tokens_per_gpu=4096))
+    shard = build_step_shards(samples, schedule.steps[0], 0)[0]
+    (positions,) = shard.micro_batch_indices  # all sequences in one packed row
+    mb = pack_micro_batch(shard, positions)
+    assert mb.num_samples == len(sequences) and mb.max_seqlen == max(map(len, sequences))
+    with torch.no_grad():
+        logits = model(mb.tokens, mb.position_ids, None,
+                       packed_seq_params=packed_seq_params(mb.cu_seqlens, mb.max_seqlen))[0].float()
+    packed = torch.log_softmax(logits, dim=-1).gather(-1, mb.targets[0][:, None])[:, 0][mb.response_logit_index]
+    expected = torch.cat([hf_log_probs(hf_model, sequences[p])[-samples[p].response_length:] for p in positions])
+    assert packed.shape == expected.shape
+    assert torch.allclose(packed, expected, atol=1e-4, rtol=0), float((packed - expected).abs().max())
+
+
+def test_model_config_from_hf_refuses_what_the_policy_cannot_hold(hf_dir, tmp_path):
+    from actors.hf_checkpoint import model_config_from_hf
+
+    path, _ = hf_dir
+    hf = json.loads((path / "config.json").read_text())
+    for key, value, match in (("tie_word_embeddings", True, "tie_word_embeddings=True"),
+                              ("attention_bias", True, "attention_bias=True"),
+                              ("model_type", "mistral", "model_type='mistral'"),
+                              ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4}, "rope type 'yarn'")):
+        bad = tmp_path / key
+        bad.mkdir()
+        (bad / "config.json").write_text(json.dumps(dict(hf, **{key: value})))
+        with pytest.raises(ConfigError, match=match):
+            model_config_from_hf(bad)
+    config = model_config_from_hf(path)
+    assert (config.num_query_groups, config.rope_theta, config.norm_epsilon, config.vocab_size) == (2, 5000.0, 1e-5, 96)
+
+
+def test_a_model_config_that_differs_from_the_checkpoint_is_refused(hf_dir):
+    from actors.model import build_gpt_model
+    from actors.train_config import ModelConfig
+
+    path, _ = hf_dir
+    ensure_single_process_group()
+    with pytest.raises(ConfigError, match=r"vocab_size=128 \(checkpoint: 96\)"):
+        build_gpt_model(ModelConfig(hf_checkpoint_dir=str(path)))

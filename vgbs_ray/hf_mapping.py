@@ -1,0 +1,191 @@
+"""Megatron-Core GPT (Llama layout) <-> Hugging Face `LlamaForCausalLM`: names and tensor layouts.
+
+Plain tensors in, plain tensors out (no Megatron, no transformers). Both sides hold the full,
+unsharded weights; `split_tp_shard` / `gather_tp_shards` convert between a full Megatron
+tensor and its tensor-parallel shards.
+
+The table (per layer `i`; H hidden, V vocab, F ffn, q query heads, g key/value groups, d head dim):
+
+| Megatron (`GPTModel`, local spec)                    | Hugging Face                                   | layout                                   |
+| ---------------------------------------------------- | ---------------------------------------------- | ---------------------------------------- |
+| `embedding.word_embeddings.weight`                    | `model.embed_tokens.weight`                    | same [V, H]                              |
+| `decoder.layers.i.input_layernorm.weight`             | `model.layers.i.input_layernorm.weight`        | same [H]                                 |
+| `decoder.layers.i.self_attention.linear_qkv.weight`   | `...self_attn.{q,k,v}_proj.weight`             | rows grouped per key/value group: for each of the g groups, its q/g query heads, then its key head, then its value head (d rows each) |
+| `decoder.layers.i.self_attention.linear_proj.weight`  | `...self_attn.o_proj.weight`                   | same [H, q*d]                            |
+| `decoder.layers.i.pre_mlp_layernorm.weight`           | `model.layers.i.post_attention_layernorm.weight` | same [H]                               |
+| `decoder.layers.i.mlp.linear_fc1.weight`              | `...mlp.gate_proj.weight`, `...mlp.up_proj.weight` | `cat([gate, up])` [2F, H]            |
+| `decoder.layers.i.mlp.linear_fc2.weight`              | `...mlp.down_proj.weight`                      | same [H, F]                              |
+| `decoder.final_layernorm.weight`                      | `model.norm.weight`                            | same [H]                                 |
+| `output_layer.weight`                                 | `lm_head.weight`                               | same [V, H] (untied)                     |
+
+No rotary permutation: Megatron (`rotary_interleaved=False`) and HF both rotate halves.
+With Transformer Engine's layer spec (GPU) the two norms are fused into the next linear layer
+and named `...linear_qkv.layer_norm_weight` / `...linear_fc1.layer_norm_weight`;
+`canonical_megatron_name` maps those onto the local names above.
+
+Invariants (tests/test_hf_mapping.py): `hf_to_megatron(megatron_to_hf(m)) == m` and the
+reverse, bit for bit; every name of either side is consumed exactly once (an unknown or missing
+name raises, naming it); `gather_tp_shards(split_tp_shard(t, r, n) for r) == t` for every
+partition dim and stride.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping, Sequence
+
+import torch
+
+from vgbs_ray.errors import VgbsError
+
+
+class WeightMappingError(VgbsError, ValueError):
+    """A weight name or shape does not fit the Llama <-> Megatron table."""
+
+
+# Whole-model tensors: (Megatron name, HF name).
+_GLOBAL = (
+    ("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+    ("decoder.final_layernorm.weight", "model.norm.weight"),
+    ("output_layer.weight", "lm_head.weight"),
+)
+# Per-layer tensors copied as they are: (Megatron suffix, HF suffix).
+_LAYER_SAME = (
+    ("input_layernorm.weight", "input_layernorm.weight"),
+    ("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
+    ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+    ("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
+)
+_QKV = "self_attention.linear_qkv.weight"
+_QKV_HF = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_FC1 = "mlp.linear_fc1.weight"
+_FC1_HF = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+_TE_FUSED_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+_MEGATRON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def canonical_megatron_name(name: str) -> str:
+    """The local-spec name of a Megatron parameter (TE-fused norm names -> separate norms; DDP prefix off)."""
+    name = name.removeprefix("module.")
+    match = _MEGATRON_LAYER.match(name)
+    if match and match.group(2) in _TE_FUSED_NORMS:
+        return f"decoder.layers.{match.group(1)}.{_TE_FUSED_NORMS[match.group(2)]}"
+    return name
+
+
+def _num_layers(names, pattern: re.Pattern) -> int:
+    layers = {int(m.group(1)) for m in map(pattern.match, names) if m}
+    if layers != set(range(len(layers))):
+        raise WeightMappingError(f"layer indices {sorted(layers)} are not 0..{len(layers) - 1}")
+    return len(layers)
+
+
+def _qkv_split(qkv: torch.Tensor, num_attention_heads: int, num_query_groups: int, name: str):
+    heads_per_group = num_attention_heads // num_query_groups
+    rows, hidden = qkv.shape
+    head_dim, rest = divmod(rows, num_query_groups * (heads_per_group + 2))
+    if rest:
+        raise WeightMappingError(f"{name}: {rows} rows is not num_query_groups={num_query_groups} x "
+                                 f"(heads per group {heads_per_group} + 2) x head_dim")
+    grouped = qkv.view(num_query_groups, heads_per_group + 2, head_dim, hidden)
+    q = grouped[:, :heads_per_group].reshape(num_attention_heads * head_dim, hidden)
+    k = grouped[:, heads_per_group].reshape(num_query_groups * head_dim, hidden)
+    v = grouped[:, heads_per_group + 1].reshape(num_query_groups * head_dim, hidden)
+    return q, k, v
+
+
+def _qkv_fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_attention_heads: int,
+              num_query_groups: int, name: str) -> torch.Tensor:
+    heads_per_group = num_attention_heads // num_query_groups
+    hidden = q.shape[1]
+    head_dim, rest = divmod(q.shape[0], num_attention_heads)
+    if rest or k.shape != (num_query_groups * head_dim, hidden) or v.shape != k.shape:
+        raise WeightMappingError(
+            f"{name}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
+            f"num_attention_heads={num_attention_heads}, num_query_groups={num_query_groups}")
+    grouped = torch.cat([q.view(num_query_groups, heads_per_group, head_dim, hidden),
+                         k.view(num_query_groups, 1, head_dim, hidden),
+                         v.view(num_query_groups, 1, head_dim, hidden)], dim=1)
+    return grouped.reshape(-1, hidden)
+
+
+def _take(state: Mapping[str, torch.Tensor], name: str, used: set) -> torch.Tensor:
+    if name not in state:
+        raise WeightMappingError(f"missing weight {name!r}")
+    used.add(name)
+    return state[name]
+
+
+def _check_all_used(state: Mapping[str, torch.Tensor], used: set, side: str) -> None:
+    unknown = sorted(set(state) - used)
+    if unknown:
+        raise WeightMappingError(f"{side} weights not in the Llama table: {unknown[:8]}"
+                                 f"{' ...' if len(unknown) > 8 else ''}")
+
+
+def megatron_to_hf(state: Mapping[str, torch.Tensor], *, num_attention_heads: int,
+                   num_query_groups: int) -> dict[str, torch.Tensor]:
+    """Full (TP-gathered) Megatron weights -> `LlamaForCausalLM` state dict (contiguous tensors)."""
+    state = {canonical_megatron_name(k): v for k, v in state.items()}
+    used: set = set()
+    out: dict[str, torch.Tensor] = {}
+    for megatron, hf in _GLOBAL:
+        out[hf] = _take(state, megatron, used)
+    for i in range(_num_layers(state, _MEGATRON_LAYER)):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        for megatron, hf in _LAYER_SAME:
+            out[h + hf] = _take(state, m + megatron, used)
+        q, k, v = _qkv_split(_take(state, m + _QKV, used), num_attention_heads, num_query_groups, m + _QKV)
+        out.update(zip((h + n for n in _QKV_HF), (q, k, v)))
+        fc1 = _take(state, m + _FC1, used)
+        if fc1.shape[0] % 2:
+            raise WeightMappingError(f"{m + _FC1}: {fc1.shape[0]} rows cannot be [gate; up]")
+        out.update(zip((h + n for n in _FC1_HF), fc1.chunk(2, dim=0)))
+    _check_all_used(state, used, "Megatron")
+    return {name: tensor.contiguous() for name, tensor in out.items()}
+
+
+def hf_to_megatron(state: Mapping[str, torch.Tensor], *, num_attention_heads: int,
+                   num_query_groups: int) -> dict[str, torch.Tensor]:
+    """`LlamaForCausalLM` state dict -> full Megatron weights (local-spec names, contiguous)."""
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}  # a buffer, not a weight
+    used: set = set()
+    out: dict[str, torch.Tensor] = {}
+    for megatron, hf in _GLOBAL:
+        out[megatron] = _take(state, hf, used)
+    for i in range(_num_layers(state, _HF_LAYER)):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        for megatron, hf in _LAYER_SAME:
+            out[m + megatron] = _take(state, h + hf, used)
+        q, k, v = (_take(state, h + n, used) for n in _QKV_HF)
+        out[m + _QKV] = _qkv_fuse(q, k, v, num_attention_heads, num_query_groups, h + "self_attn")
+        gate, up = (_take(state, h + n, used) for n in _FC1_HF)
+        if gate.shape != up.shape:
+            raise WeightMappingError(f"{h}mlp: gate_proj {tuple(gate.shape)} and up_proj {tuple(up.shape)} differ")
+        out[m + _FC1] = torch.cat([gate, up], dim=0)
+    _check_all_used(state, used, "Hugging Face")
+    return {name: tensor.contiguous() for name, tensor in out.items()}
+
+
+def split_tp_shard(full: torch.Tensor, *, tp_rank: int, tp_size: int, partition_dim: int,
+                   stride: int = 1) -> torch.Tensor:
+    """This TP rank's shard of a full tensor, as Megatron lays it out.
+
+    The full tensor is cut into `tp_size * stride` equal chunks along `partition_dim`; rank r
+    holds chunks r, r + tp_size, ... (stride 2 is SwiGLU's fc1: each rank holds [gate_r; up_r]).
+    """
+    if full.shape[partition_dim] % (tp_size * stride):
+        raise WeightMappingError(f"dim {partition_dim} of size {full.shape[partition_dim]} does not split into "
+                                 f"tp_size={tp_size} x stride={stride} equal chunks")
+    chunks = full.chunk(tp_size * stride, dim=partition_dim)
+    return torch.cat(chunks[tp_rank::tp_size], dim=partition_dim).contiguous()
+
+
+def gather_tp_shards(shards: Sequence[torch.Tensor], *, partition_dim: int, stride: int = 1) -> torch.Tensor:
+    """The full tensor from every TP rank's shard, in rank order (inverse of `split_tp_shard`)."""
+    per_rank = [shard.chunk(stride, dim=partition_dim) for shard in shards]
+    return torch.cat([per_rank[r][s] for s in range(stride) for r in range(len(shards))], dim=partition_dim)
