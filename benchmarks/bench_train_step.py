@@ -40,7 +40,7 @@ MAX_TOKENS_PER_GPU = 1024       # micro-batch cap (layout path and legacy path a
 WARMUP_STEPS = 1
 TIMED_STEPS = 8
 SEED = 7
-MODEL = ModelConfig(num_layers=2, hidden_size=128, num_attention_heads=4, vocab_size=256, max_sequence_length=1024)
+MODEL = ModelConfig(num_layers=2, hidden_size=128, num_attention_heads=4, vocab_size=256, max_position_embeddings=1024)
 FLOPS = TransformerFlopsModel(num_layers=MODEL.num_layers, hidden_size=MODEL.hidden_size,
                               num_attention_heads=MODEL.num_attention_heads, vocab_size=MODEL.vocab_size)
 
