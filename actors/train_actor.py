@@ -36,6 +36,10 @@ class TrainActor:
         self.info: RankInfo | None = None
         self.trainer = None
 
+    def node_id(self) -> str:
+        """The Ray node this rank runs on (placement checks)."""
+        return ray.get_runtime_context().get_node_id()
+
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port on it (asked of rank 0: the rendezvous address)."""
         from actors.distributed import find_free_port

@@ -67,13 +67,17 @@ class TrainGroup:
                 for rank in range(config.world_size)
             ]
             host, port = ray.get(self.actors[0].address.remote(), timeout=config.setup_timeout_s)
-            log.info("train group: %d ranks (dp=%d tp=%d), rendezvous at %s:%d",
-                     config.world_size, config.dp_size, config.tp_size, host, port)
+            log.info("train group: %d ranks (dp=%d tp=%d pp=%d vpp=%d), rendezvous at %s:%d", config.world_size,
+                     config.dp_size, config.tp_size, config.pp_size, config.vpp_size, host, port)
             self.rank_infos: list[RankInfo] = self._gather(
                 [actor.setup.remote(host, port) for actor in self.actors], config.setup_timeout_s, "set-up")
         except BaseException:
             self.shutdown()
             raise
+
+    def node_ids(self) -> list[str]:
+        """The Ray node of each rank, in rank order."""
+        return ray.get([a.node_id.remote() for a in self.actors], timeout=self.config.setup_timeout_s)
 
     @property
     def parallel_config(self) -> ParallelConfig:

@@ -1,0 +1,125 @@
+"""GPU check: Megatron's schedule, DDP and optimizer over NCCL against the CPU path (gloo), same update.
+
+NOT RUN IN THIS REPOSITORY'S CI: it needs a GPU. `benchmarks/gpu_check.sh` runs it.
+
+1. `--mode cpu` (CUDA hidden): one gloo rank builds the model from its seed, saves the initial
+   weights, trains STEPS fixed-rollout steps (SGD, no clipping, float32) and saves the update.
+2. `--mode gpu`: `world` NCCL ranks (one per GPU; DP=1, or CP=2 with two GPUs) load those initial
+   weights, train the same steps, and compare: relative difference of the updates < 1e-3.
+   Transformer Engine attention is used when installed (the model picks its TE spec on GPU).
+Prints one line per comparison and exits non-zero on a mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+STEPS = 2
+NUM_ROLLOUTS = 12
+MAX_TOKENS = 160
+TOLERANCE = 1e-3
+
+
+def _shards(step: int, cp_size: int):
+    from tests.train_support import make_samples
+    from vgbs_ray.config import BatchConfig, ParallelConfig
+    from vgbs_ray.schedule import build_dp_schedule
+    from vgbs_ray.shard import build_step_shards
+
+    samples = make_samples(100 + step, NUM_ROLLOUTS, id_prefix=f"s{step}-")
+    schedule = build_dp_schedule([s.total_length for s in samples], [s.rollout_id for s in samples],
+                                 ParallelConfig(dp_size=1, cp_size=cp_size),
+                                 BatchConfig(global_batch_size=NUM_ROLLOUTS, max_tokens_per_gpu=MAX_TOKENS))
+    return build_step_shards(samples, schedule.steps[0], step)
+
+
+def _config(backend: str, cp_size: int):
+    from tests.train_support import sgd_config
+
+    return sgd_config(lr=1.0, backend=backend, cp_size=cp_size)
+
+
+def _train(rank: int, world: int, port: int, backend: str, cp_size: int, initial: str | None, out: str) -> None:
+    import torch
+
+    from actors.distributed import init_distributed
+    from actors.trainer import RankTrainer
+
+    torch.set_num_threads(1)
+    info = init_distributed(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port,
+                            backend=backend, timeout_s=120, tp_size=1, pp_size=1, cp_size=cp_size)
+    trainer = RankTrainer(_config(backend, cp_size), info)
+    if initial is None:
+        np.savez(out + ".initial.npz", **trainer.full_parameters())
+    else:
+        trainer.load_full_parameters(dict(np.load(initial)))
+    before = trainer.full_parameters()
+    losses = [trainer.train_shard(_shards(k, cp_size)[0]).metrics.get("loss", (0.0, 0.0)) for k in range(STEPS)]
+    after = trainer.full_parameters()
+    if rank == 0:
+        np.savez(out, **{k: after[k].astype(np.float64) - before[k].astype(np.float64) for k in before})
+        print(f"{backend} cp={cp_size}: loss pairs per step {losses}")
+
+
+def _spawn(world: int, backend: str, cp_size: int, initial: str | None, out: str) -> None:
+    from actors.distributed import find_free_port
+
+    port = find_free_port()
+    context = multiprocessing.get_context("spawn")
+    procs = [context.Process(target=_train, args=(r, world, port, backend, cp_size, initial, out))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            raise SystemExit(f"{backend} rank failed with exit code {p.exitcode}")
+
+
+def _relative(a: dict, b: dict) -> float:
+    num = sum(float(((a[k] - b[k]) ** 2).sum()) for k in a)
+    return (num / sum(float((a[k] ** 2).sum()) for k in a)) ** 0.5
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=("cpu", "gpu"), required=True)
+    parser.add_argument("--dir", default="/tmp/vgbs-gpu-check")
+    args = parser.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
+    cpu_out = os.path.join(args.dir, "cpu_update.npz")
+    if args.mode == "cpu":
+        _spawn(1, "gloo", 1, None, cpu_out)
+        return
+    import torch
+
+    from actors.model import transformer_engine_available
+
+    assert torch.cuda.is_available(), "--mode gpu needs CUDA"
+    print(f"GPUs: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}; "
+          f"Transformer Engine: {transformer_engine_available()}")
+    expected = dict(np.load(cpu_out))
+    failed = False
+    checks = [(1, 1)] + ([(2, 2)] if torch.cuda.device_count() >= 2 and transformer_engine_available() else [])
+    for world, cp_size in checks:
+        out = os.path.join(args.dir, f"gpu_cp{cp_size}_update.npz")
+        _spawn(world, "nccl", cp_size, cpu_out + ".initial.npz", out)
+        rel = _relative(expected, dict(np.load(out)))
+        ok = rel < TOLERANCE
+        failed |= not ok
+        print(f"NCCL dp=1 cp={cp_size} vs CPU gloo: relative update difference {rel:.2e} "
+              f"({'OK' if ok else 'MISMATCH'}, tolerance {TOLERANCE:g})")
+    if len(checks) == 1:
+        print("CP=2: skipped (needs 2 GPUs and Transformer Engine)")
+    raise SystemExit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# GPU check (issue 12): Megatron schedule + DDP + optimizer over NCCL vs the CPU path, same update.
+# Needs one GPU (two, with Transformer Engine, for the CP=2 check). Run from the repository root
+# after `make setup`:  bash benchmarks/gpu_check.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+DIR=${VGBS_GPU_CHECK_DIR:-/tmp/vgbs-gpu-check}
+# 1. the CPU reference with CUDA hidden (megatron_cpu_compat active), 2. the NCCL ranks
+CUDA_VISIBLE_DEVICES="" "$PY" benchmarks/gpu_check.py --mode cpu --dir "$DIR"
+"$PY" benchmarks/gpu_check.py --mode gpu --dir "$DIR"
