@@ -5,17 +5,45 @@ the default group with `init_method=tcp://host:port` (a peer that never joins fa
 others after `timeout_s`, it does not hang), and Megatron builds its TP / PP / CP / DP
 groups (DP derived: world / (tp * pp * cp)) with the same timeout. Megatron's rank order puts
 TP peers on consecutive ranks (then CP, DP, PP), so a PACK placement keeps them on one node.
+
+Megatron-Core warns at import time, once per importing module and each time with its own
+text, that Transformer Engine and Apex are missing; `quiet_megatron_fallback_warnings`
+(called before a rank first imports Megatron) folds those into one line per process.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
+import importlib.util
+import logging
 import socket
+import warnings
 
 import torch
 import torch.distributed as dist
 
 from actors.train_config import RankInfo
+
+log = logging.getLogger(__name__)
+
+# Start of the texts of Megatron-Core 0.16's import-time fallback warnings (optimizer,
+# clip_grads, FSDP mixed precision, norm backends, layer specs: six per rank on CPU).
+_FALLBACK_WARNING_TEXT = r"(Transformer Engine and Apex are|Apex is) not installed"
+
+
+@functools.cache  # once per process, however many times a rank sets up
+def quiet_megatron_fallback_warnings() -> None:
+    """Replace Megatron's per-module "Transformer Engine / Apex not installed" warnings with one line.
+
+    Must run before the process first imports `megatron.core` (the warnings fire at import).
+    Only those warnings are filtered; any other Megatron warning still shows.
+    """
+    warnings.filterwarnings("ignore", message=_FALLBACK_WARNING_TEXT, category=UserWarning)
+    missing = [name for name in ("transformer_engine", "apex") if importlib.util.find_spec(name) is None]
+    if missing:
+        log.warning("%s not installed: Megatron-Core uses its local fallbacks (torch norms and optimizers, "
+                    "local multi-tensor kernels)", " and ".join(missing))
 
 
 def find_free_port() -> int:

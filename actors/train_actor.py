@@ -47,7 +47,9 @@ class TrainActor:
         return ray.util.get_node_ip_address(), find_free_port()
 
     def setup(self, master_addr: str, master_port: int) -> RankInfo:
-        from actors.distributed import init_distributed
+        from actors.distributed import init_distributed, quiet_megatron_fallback_warnings
+
+        quiet_megatron_fallback_warnings()  # before the first Megatron import: its warnings fire at import
         from actors.trainer import RankTrainer
 
         c = self.config

@@ -1,0 +1,38 @@
+"""A rank's job log says "Transformer Engine / Apex not installed" at most once per process.
+
+Each case imports the train side in a fresh interpreter (the warnings fire at Megatron's
+import, once per importing module), the way a TrainActor's `setup` does.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+IMPORT_TRAIN_SIDE = "import actors.trainer, actors.model"
+
+
+def not_installed_lines(script: str) -> list[str]:
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [line for line in (result.stdout + result.stderr).splitlines() if "not installed" in line]
+
+
+def test_megatron_fallback_warnings_come_out_once_per_process():
+    # Without the filter, Megatron repeats it from several modules (the case the filter exists for).
+    assert len(not_installed_lines(IMPORT_TRAIN_SIDE)) >= 2
+    quiet = ("from actors.distributed import quiet_megatron_fallback_warnings as q\n"
+             f"q(); q()\n{IMPORT_TRAIN_SIDE}\n"
+             "import warnings; warnings.warn('Apex is not installed (a later import after the filter)')")
+    lines = not_installed_lines(quiet)
+    assert len(lines) == 1 and "Megatron-Core uses its local fallbacks" in lines[0], lines
+
+
+def test_other_warnings_are_not_filtered():
+    script = ("from actors.distributed import quiet_megatron_fallback_warnings as q; q()\n"
+              "import warnings; warnings.warn('Transformer Engine is slow today')")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "Transformer Engine is slow today" in result.stderr
