@@ -29,18 +29,14 @@ driver's view (last submit sent -> every rank's shard gettable), median and max.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import numpy as np
+import ray
 
-# Same auth mode as every Ray start in this project (PLATFORM_NOTES), set before Ray reads it.
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-import ray  # noqa: E402
-
-from actors.scheduler_actor import SchedulerConfig, create_scheduler  # noqa: E402
-from vgbs_ray.config import BatchConfig, ParallelConfig  # noqa: E402
+from actors.scheduler_actor import SchedulerConfig, create_scheduler
+from vgbs_ray.config import BatchConfig, ParallelConfig
 
 BATCH_SAMPLES = 64
 PROMPT_TOKENS = 256

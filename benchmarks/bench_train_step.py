@@ -12,23 +12,19 @@ the timed steps; the plans take turns on each window so background load hits all
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
 import numpy as np
+import ray
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-
-import ray  # noqa: E402
-
-from actors.train_config import LossConfig, ModelConfig, TrainGroupConfig  # noqa: E402
-from actors.train_group import TrainGroup  # noqa: E402
-from vgbs_ray.config import BatchConfig, ParallelConfig  # noqa: E402
-from vgbs_ray.flops import TransformerFlopsModel  # noqa: E402
-from vgbs_ray.sample import make_rollout  # noqa: E402
-from vgbs_ray.schedule import build_dp_schedule  # noqa: E402
-from vgbs_ray.shard import build_legacy_shards, build_step_shards  # noqa: E402
+from actors.train_config import LossConfig, ModelConfig, TrainGroupConfig
+from actors.train_group import TrainGroup
+from vgbs_ray.config import BatchConfig, ParallelConfig
+from vgbs_ray.flops import TransformerFlopsModel
+from vgbs_ray.sample import make_rollout
+from vgbs_ray.schedule import build_dp_schedule
+from vgbs_ray.shard import build_legacy_shards, build_step_shards
 
 DP_SIZE = 2
 GLOBAL_BATCH_SIZE = 16          # rollouts per step

@@ -51,8 +51,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def init_ray(config: JobConfig) -> bool:
-    """Start an in-process cluster or attach to one; returns whether this job started it."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # the same everywhere this project starts Ray
+    """Start an in-process cluster or attach to one; returns whether this job started it.
+
+    The auth mode is Ray's to decide, never set here: an in-process cluster gets Ray's default
+    (token auth), and a job attached to a cluster inherits that cluster's RAY_AUTH_MODE and token.
+    """
     if config.run.ray_address == "local":
         ray.init(address="local", num_cpus=config.run.local_num_cpus, include_dashboard=False,
                  object_store_memory=256 << 20, log_to_driver=False)

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import secrets
+import shutil
+import tempfile
 
 import pytest
 
-# Every Ray start in this project uses the same auth mode (see PLATFORM_NOTES: a fresh
-# ray.init may otherwise switch on token auth and break later `ray job submit`).
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Every Ray cluster the tests start (in-process, or a job's subprocess) uses token auth with
+# a token of this test session's own, so no test reads, creates or clobbers the user's
+# ~/.ray/auth_token. RAY_AUTH_TOKEN would win over the file: drop an inherited one.
+_token_dir = tempfile.mkdtemp(prefix="vgbs-test-auth-")
+atexit.register(shutil.rmtree, _token_dir, ignore_errors=True)
+_token_path = os.path.join(_token_dir, "auth_token")
+with open(os.open(_token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as _token_file:
+    _token_file.write(secrets.token_hex(32))
+os.environ.pop("RAY_AUTH_TOKEN", None)
+os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=_token_path)
 
 
 @pytest.fixture(scope="session")
