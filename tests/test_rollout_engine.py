@@ -1,0 +1,131 @@
+"""vLLM rollout engines fed by the train group's weight sync (real Ray, real vLLM CPU, real Megatron).
+
+One engine and one train group serve the whole module (vLLM start-up costs seconds); the last
+test kills the engine, so it stays last.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from actors.hf_checkpoint import write_hf_checkpoint
+from actors.rollout_engine import EngineConfig, EngineDiedError, RequestTooLongError, RolloutEnginePool, SamplingConfig
+from actors.train_config import ModelConfig
+from actors.weight_sync import publish_weights
+from tests.train_support import ensure_single_process_group, make_samples, sgd_config
+
+MODEL = ModelConfig(seed=7)
+PROMPTS = [[5, 17, 3, 99, 42], [1, 2, 3], list(range(30, 70))]
+
+
+@pytest.fixture(scope="module")
+def system(ray_session, tmp_path_factory):
+    """A TrainGroup (dp=1) at version 0 and one engine started from its exported weights."""
+    from actors.train_group import TrainGroup
+
+    group = TrainGroup(sgd_config(lr=20.0, model=MODEL))
+    engines = None
+    try:
+        v0 = publish_weights(group, 0)
+        model_dir = write_hf_checkpoint(tmp_path_factory.mktemp("policy_v0"), MODEL,
+                                        {k: torch.from_numpy(v) for k, v in ray.get(v0.ref).items()})
+        engines = RolloutEnginePool(EngineConfig(num_engines=1, max_model_len=MODEL.max_position_embeddings),
+                                    str(model_dir))
+        yield group, engines, v0
+    finally:
+        if engines is not None:
+            engines.shutdown()
+        group.shutdown()
+
+
+def _train_one_step(group):
+    from vgbs_ray.config import BatchConfig, ParallelConfig
+    from vgbs_ray.schedule import build_dp_schedule
+    from vgbs_ray.shard import build_step_shards
+
+    samples = make_samples(3, 4)
+    schedule = build_dp_schedule([s.total_length for s in samples], [s.rollout_id for s in samples],
+                                 ParallelConfig(dp_size=1), BatchConfig(global_batch_size=4, max_tokens_per_gpu=4096))
+    group.train_shards(build_step_shards(samples, schedule.steps[0], 0))
+
+
+def _megatron_log_probs(hf_weights: dict, generations) -> list[np.ndarray]:
+    """The trainer's view: a Megatron model with the published weights, one THD packed row of
+    prompt + response for every generation; the log-prob of each response token."""
+    from actors.hf_checkpoint import load_hf_weights
+    from actors.model import build_gpt_model, packed_seq_params
+
+    ensure_single_process_group()
+    model = build_gpt_model(MODEL).eval()
+    load_hf_weights(model, {k: torch.from_numpy(np.array(v)) for k, v in hf_weights.items()}, MODEL)
+    sequences = [np.concatenate([g.prompt_token_ids, g.response_token_ids]) for g in generations]
+    lengths = [len(s) for s in sequences]
+    cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    tokens = torch.from_numpy(np.concatenate(sequences))[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        logits = model(tokens, positions, None, packed_seq_params=packed_seq_params(cu_seqlens, max(lengths)))[0]
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    out = []
+    for g, start, length in zip(generations, cu_seqlens[:-1].tolist(), lengths):
+        rows = torch.arange(start + len(g.prompt_token_ids) - 1, start + length - 1)  # logits that score the response
+        out.append(log_probs[rows, torch.from_numpy(g.response_token_ids)].numpy())
+    return out
+
+
+def test_after_a_sync_engine_log_probs_equal_the_trainers(system):
+    group, engines, _ = system
+    _train_one_step(group)
+    v1 = publish_weights(group, 1)
+    assert v1.num_bytes == sum(a.nbytes for a in ray.get(v1.ref).values())
+    loads = engines.update_weights(v1)  # returns at once: the trainer does not wait for the engines
+    [load] = engines.wait_for_weights(loads)
+    assert (load.policy_version, load.num_bytes, load.engine) == (1, v1.num_bytes, engines.names[0])
+    generations = engines.generate(PROMPTS, SamplingConfig(max_tokens=12, seed=1))
+    assert [g.policy_version for g in generations] == [1, 1, 1]
+    assert all(len(g.response_token_ids) == 12 and g.finish_reason == "length" for g in generations)
+    for got, expected in zip([g.response_log_probs for g in generations],
+                             _megatron_log_probs(ray.get(v1.ref), generations)):
+        assert np.abs(got - expected).max() < 1e-4, np.abs(got - expected).max()
+
+
+def test_sync_to_other_weights_and_back_restores_the_outputs(system):
+    group, engines, v0 = system
+    sampling = SamplingConfig(max_tokens=16, seed=11)
+    current = publish_weights(group, 2)  # whatever the group holds now
+    engines.wait_for_weights(engines.update_weights(current))
+    before = engines.generate(PROMPTS, sampling)
+    engines.wait_for_weights(engines.update_weights(v0))  # the initial weights: a different policy
+    other = engines.generate(PROMPTS, sampling)
+    assert [g.policy_version for g in other] == [0, 0, 0]
+    assert any(not np.array_equal(a.response_token_ids, b.response_token_ids) for a, b in zip(before, other))
+    assert not np.allclose(before[0].response_log_probs[:1], other[0].response_log_probs[:1], atol=1e-3)
+    engines.wait_for_weights(engines.update_weights(current))
+    after = engines.generate(PROMPTS, sampling)
+    for a, b in zip(before, after):
+        assert np.array_equal(a.response_token_ids, b.response_token_ids)
+        assert np.array_equal(a.response_log_probs, b.response_log_probs)
+        assert b.policy_version == 2
+
+
+def test_a_request_longer_than_the_engine_allows_is_refused(system):
+    _, engines, _ = system
+    limit = engines.config.max_model_len
+    with pytest.raises(RequestTooLongError, match=rf"{engines.names[0]}: request 1 has a {limit - 4}-token prompt "
+                                                  rf"\+ max_tokens=8 > max_model_len={limit}"):
+        engines.generate([[1, 2], [3] * (limit - 4)], SamplingConfig(max_tokens=8))
+
+
+def test_a_dead_engine_is_an_error_naming_it_not_a_hang(system):
+    """Runs last: it kills the module's engine."""
+    _, engines, _ = system
+    ray.kill(engines.engines[0], no_restart=True)
+    start = time.monotonic()
+    with pytest.raises(EngineDiedError, match=rf"rollout engine {engines.names[0]} died"):
+        engines.generate(PROMPTS, SamplingConfig(max_tokens=4))
+    assert time.monotonic() - start < 30
