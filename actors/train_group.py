@@ -14,10 +14,12 @@ Start-up, in order (each with a timeout and an error that says what to change):
 3. rendezvous: rank 0 picks a free port and publishes host:port; all ranks join
    torch.distributed and Megatron's groups (DP derived) and build the model.
 
-Step failures: if any rank dies or raises, the step raises `TrainStepError` naming the rank
-as soon as that rank's result fails; surviving ranks then fail their collective within
-`collective_timeout_s` (gloo raises when a peer is gone). The group is then unusable:
-`shutdown()` it and build a new one (a new process group on a new port).
+Step failures: if any rank dies or raises, the step raises `TrainStepError` naming the rank;
+surviving ranks fail their collective within `collective_timeout_s` (gloo raises as soon as a
+peer's connection closes, often before Ray reports the death), so a dead rank is named first
+as the root cause ("TrainActor rank k died"). A node removed from the cluster mid-run kills
+the ranks on it: the next step fails that way (tests/test_train_placement.py). The group is then
+unusable: `shutdown()` it and build a new one (a new process group on a new port).
 
 Importable without Megatron: only the actors import it.
 """
@@ -128,7 +130,12 @@ class TrainGroup:
         return _combine(results)
 
     def _gather(self, refs: list, timeout_s: float, what: str) -> list:
-        """Results of every rank; raise at the first failed rank, or when `timeout_s` passes."""
+        """Results of every rank; raise at the first failed rank, or when `timeout_s` passes.
+
+        A dead rank is the root cause its peers' failed collectives only echo (gloo notices a
+        closed connection before Ray reports the death): after a rank raises, the others get
+        `_ROOT_CAUSE_GRACE_S` to report a death, and a dead rank is named first.
+        """
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         results: dict[int, object] = {}
         pending = list(refs)
@@ -143,9 +150,17 @@ class TrainGroup:
             try:
                 results[rank] = ray.get(ready[0])
             except ray.exceptions.RayActorError as error:
-                raise TrainStepError(f"{what}: TrainActor rank {rank} died ({type(error).__name__}); the "
-                                     "group's collectives are broken: shut it down and start a new one") from error
+                raise _died(what, rank, error) from error
             except ray.exceptions.RayTaskError as error:
+                grace = min(_ROOT_CAUSE_GRACE_S, max(deadline - time.monotonic(), 0))
+                others, _ = ray.wait(pending, num_returns=len(pending), timeout=grace) if pending else ([], [])
+                for other in others:
+                    try:
+                        ray.get(other)
+                    except ray.exceptions.RayActorError as death:
+                        raise _died(what, rank_of[other], death, echo=(rank, error.cause)) from death
+                    except ray.exceptions.RayTaskError:
+                        pass
                 raise TrainStepError(f"{what}: TrainActor rank {rank} failed: {error.cause!r}") from error
         return [results[rank] for rank in range(len(refs))]
 
@@ -206,6 +221,16 @@ class TrainGroup:
                 "dp_size/tp_size or num_cpus_per_actor, add nodes, or raise placement_timeout_s"
             )
         return pg
+
+
+_ROOT_CAUSE_GRACE_S = 10.0
+"""After one rank raises, how long the others get to report that one of them died (the root cause)."""
+
+
+def _died(what: str, rank: int, error: BaseException, echo: tuple | None = None) -> TrainStepError:
+    also = "" if echo is None else f"; rank {echo[0]}'s collective failed as a consequence: {echo[1]!r}"
+    return TrainStepError(f"{what}: TrainActor rank {rank} died ({type(error).__name__}); the group's "
+                          f"collectives are broken: shut it down and start a new one{also}")
 
 
 def _resources(available: dict) -> str:
