@@ -1,0 +1,172 @@
+"""A discrete-event model of the closed loop's timing, driving the pure staleness rules.
+
+Producers start rollouts (in groups, at most `concurrency` in flight) with the engine's
+current version, if admission control lets them; each rollout runs a random time (a share of
+them run long); a finished rollout is buffered with its oldest version. The scheduler forms a
+step when `gbs` fresh rollouts are buffered (stale ones dropped by `split_stale` first, taken
+in `oldest_first` or arrival order), at most `max_steps_ahead` steps ahead of the trainer; the
+trainer trains steps one after another, publishes version v + 1 after each, and the engine
+loads it `sync_s` later. When nothing can happen any more (a group that straddles a step
+boundary under a tight bound), the scheduler flushes a partial step, as the real wait policy
+does. Used by tests/test_staleness.py and benchmarks/bench_staleness.py; no Ray, no clocks.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from dataclasses import dataclass, field
+
+from vgbs_ray.staleness import (STALE_REASON, admit_rollouts, last_chance_in_flight, oldest_first, split_stale,
+                                staleness)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    gbs: int = 16
+    group_size: int = 4
+    max_staleness: int = 1
+    concurrency: int = 32
+    """Rollouts in flight at most (engine capacity)."""
+    long_fraction: float = 0.2
+    short_s: float = 1.0
+    long_s: float = 4.0
+    train_s: float = 1.0
+    sync_s: float = 0.1
+    admission: bool = True
+    fill: str = "oldest_first"
+    wait_for_last_chance: bool = True
+    """Form a step only when no rollout in flight has its last chance in it (rule 2). Needs
+    admission: without it producers could keep starting last-chance rollouts forever."""
+    max_events: int = 200_000
+    """A model that runs longer than this is livelocked: fail instead of spinning."""
+    max_steps_ahead: int = 1
+    num_steps: int = 60
+    seed: int = 0
+
+
+@dataclass
+class SimResult:
+    started: dict = field(default_factory=dict)
+    """rollout id -> True if it runs long."""
+    trained: dict = field(default_factory=dict)
+    """rollout id -> (step, staleness)."""
+    dropped: dict = field(default_factory=dict)
+    """rollout id -> reason."""
+    buffered_at_end: set = field(default_factory=set)
+    in_flight_at_end: int = 0
+    trainer_idle_s: float = 0.0
+    wall_s: float = 0.0
+    trained_versions: list = field(default_factory=list)
+    """(step index, version the trainer held when it started the step)."""
+    partial_flushes: int = 0
+
+    def stale_drop_rate(self) -> float:
+        finished = len(self.trained) + len(self.dropped)
+        return len(self.dropped) / finished if finished else 0.0
+
+    def trainer_idle_share(self) -> float:
+        return self.trainer_idle_s / self.wall_s if self.wall_s else 0.0
+
+    def long_share(self, ids) -> float:
+        ids = list(ids)
+        return sum(self.started[r] for r in ids) / len(ids) if ids else 0.0
+
+
+def simulate(cfg: SimConfig) -> SimResult:
+    rng = random.Random(cfg.seed)
+    result = SimResult()
+    events: list = []
+    sequence = itertools.count()
+    now = 0.0
+    version = engine_version = steps_formed = pending = 0
+    in_flight: dict = {}  # rollout id -> oldest version
+    idle_since = 0.0
+    buffer: dict = {}  # rollout id -> oldest version, in arrival order
+    oldest_of: dict = {}
+    queue: list = []  # formed steps waiting for the trainer: (step, rollout ids)
+    trainer_busy = False
+    ids = itertools.count()
+
+    def push(delay, kind, payload=None):
+        heapq.heappush(events, (now + delay, next(sequence), kind, payload))
+
+    def try_start():
+        nonlocal pending
+        while len(in_flight) + cfg.group_size <= cfg.concurrency and steps_formed < cfg.num_steps:
+            if cfg.admission and not admit_rollouts(
+                    num_rollouts=cfg.group_size, engine_version=engine_version, steps_formed=steps_formed,
+                    pending_rollouts=pending, gbs=cfg.gbs, max_staleness=cfg.max_staleness).admit:
+                return
+            for _ in range(cfg.group_size):
+                rid = next(ids)
+                is_long = rng.random() < cfg.long_fraction
+                result.started[rid] = is_long
+                oldest_of[rid] = in_flight[rid] = engine_version
+                push((cfg.long_s if is_long else cfg.short_s) * rng.uniform(0.5, 1.5), "finish", rid)
+            pending += cfg.group_size
+
+    def form_steps(allow_partial=False):
+        nonlocal steps_formed, pending
+        while len(queue) < cfg.max_steps_ahead and steps_formed < cfg.num_steps:
+            split = split_stale(buffer, trained_version=steps_formed, max_staleness=cfg.max_staleness)
+            for rid in split.stale:
+                del buffer[rid]
+                result.dropped[rid] = STALE_REASON
+                pending -= 1
+            if len(split.fresh) < cfg.gbs and not (allow_partial and split.fresh):
+                return
+            if cfg.wait_for_last_chance and cfg.admission and last_chance_in_flight(
+                    in_flight.values(), trained_version=steps_formed, max_staleness=cfg.max_staleness):
+                return
+            order = oldest_first(split.fresh, buffer) if cfg.fill == "oldest_first" else split.fresh
+            taken = order[:cfg.gbs]
+            result.partial_flushes += len(taken) < cfg.gbs
+            for rid in taken:
+                del buffer[rid]
+            queue.append((steps_formed, taken))
+            steps_formed += 1
+            pending -= len(taken)
+            allow_partial = False
+
+    def start_training():
+        nonlocal trainer_busy
+        if trainer_busy or not queue:
+            return
+        result.trainer_idle_s += now - idle_since
+        step, taken = queue.pop(0)
+        result.trained_versions.append((step, version))
+        for rid in taken:
+            result.trained[rid] = (step, staleness(version, oldest_of[rid]))
+        trainer_busy = True
+        push(cfg.train_s * rng.uniform(0.5, 1.5), "trained")
+
+    try_start()
+    while version < cfg.num_steps:
+        if not events:  # stalled: nothing in flight and no full step; flush a partial one
+            form_steps(allow_partial=True)
+            start_training()
+            if not events:
+                break
+            continue
+        now, count, kind, payload = heapq.heappop(events)
+        if count > cfg.max_events:
+            raise RuntimeError(f"simulation livelocked after {count} events at version {version}: {cfg}")
+        if kind == "finish":
+            del in_flight[payload]
+            buffer[payload] = oldest_of[payload]
+        elif kind == "trained":
+            version += 1
+            trainer_busy = False
+            idle_since = now
+            push(cfg.sync_s, "synced", version)
+        elif kind == "synced":
+            engine_version = max(engine_version, payload)
+        form_steps()
+        start_training()
+        try_start()
+    result.buffered_at_end = set(buffer)
+    result.in_flight_at_end = len(in_flight)
+    result.wall_s = now
+    return result
