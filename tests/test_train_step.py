@@ -109,29 +109,35 @@ def test_variable_size_steps_24_then_8_rollouts():
     assert [r.consumed_rollouts for r in results] == [24, 32]
 
 
-def test_a_step_issues_only_the_gradient_and_grad_norm_sums():
-    """Two spawned gloo ranks record every torch.distributed collective of a step."""
-    samples = make_samples(17, 8)
-    layout = build_step_shards(samples, _schedule(samples, dp_size=2, max_tokens=100).steps[0], 0)
-    legacy = build_legacy_shards(samples, 1, 2)
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
+def _record_collectives(shards_by_phase: dict, pp_size: int = 1) -> list:
+    """Run each phase's shards on two spawned gloo ranks; per rank: (rank, {phase: (calls, count)}, params, error)."""
     from actors.distributed import find_free_port
 
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
     port = find_free_port()
-    procs = [context.Process(target=record_collectives_worker,
-                             args=(rank, port, {"layout": layout, "legacy": legacy}, results)) for rank in range(2)]
+    procs = [context.Process(target=record_collectives_worker, args=(rank, port, shards_by_phase, results, pp_size))
+             for rank in range(2)]
     for p in procs:
         p.start()
     try:
-        reports = [results.get(timeout=120) for _ in procs]
+        reports = [results.get(timeout=180) for _ in procs]
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    for rank, by_phase, num_params, error in reports:
+    for rank, _, _, error in reports:
         assert error is None, f"rank {rank}: {error}"
+    return sorted(reports, key=lambda report: report[0])
+
+
+def test_a_step_issues_only_the_gradient_and_grad_norm_sums():
+    """Two spawned gloo ranks (dp=2) record every torch.distributed collective of a step."""
+    samples = make_samples(17, 8)
+    layout = build_step_shards(samples, _schedule(samples, dp_size=2, max_tokens=100).steps[0], 0)
+    legacy = build_legacy_shards(samples, 1, 2)
+    for rank, by_phase, num_params, _ in _record_collectives({"layout": layout, "legacy": legacy}):
         calls, num_microbatches = by_phase["layout"]
         assert num_microbatches == layout[rank].num_microbatches > 1
         # exactly: Megatron DDP's gradient SUM (one flat buffer), then its optimizer's SUM of the squared
@@ -140,6 +146,21 @@ def test_a_step_issues_only_the_gradient_and_grad_norm_sums():
         legacy_calls, _ = by_phase["legacy"]
         assert legacy_calls[0][:2] == ("all_reduce", "MAX")  # the legacy path must agree on a count
         assert legacy_calls[1:] == calls
+
+
+def test_a_pipelined_step_agrees_on_no_count():
+    """PP=2 on two spawned gloo ranks: stages exchange activations point to point, never an all-reduce(MAX)."""
+    samples = make_samples(19, 8)
+    layout = build_step_shards(samples, _schedule(samples, max_tokens=100).steps[0], 0)
+    legacy = build_legacy_shards(samples, 1, 1)
+    for rank, by_phase, _, _ in _record_collectives({"layout": layout, "legacy": legacy}, pp_size=2):
+        calls, num_microbatches = by_phase["layout"]
+        assert num_microbatches == layout[0].num_microbatches > 1
+        assert not [c for c in calls if c[:2] == ("all_reduce", "MAX")], calls
+        point_to_point = [c for c in calls if c[0] in ("send", "recv", "isend", "irecv")]
+        assert len(point_to_point) >= 2 * num_microbatches  # activations forward, gradients back (and shapes)
+        legacy_calls, _ = by_phase["legacy"]
+        assert legacy_calls[0][:2] == ("all_reduce", "MAX")
 
 
 def test_padding_micro_batches_run_as_zero_contributions():

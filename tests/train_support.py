@@ -139,8 +139,8 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sca
                "reduce", "barrier", "all_to_all_single", "send", "recv", "isend", "irecv")
 
 
-def record_collectives_worker(rank: int, port: int, shards_by_phase: dict, results) -> None:
-    """Spawned per rank: join a 2-rank gloo group, train each phase's shard, record collectives.
+def record_collectives_worker(rank: int, port: int, shards_by_phase: dict, results, pp_size: int = 1) -> None:
+    """Spawned per rank: join a 2-rank gloo group (dp=2, or pp=2), train each phase's shard, record collectives.
 
     The patch lives only in this spawned process and only around `train_shard`.
     """
@@ -152,8 +152,8 @@ def record_collectives_worker(rank: int, port: int, shards_by_phase: dict, resul
         from actors.trainer import RankTrainer
 
         info = init_distributed(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
-                                backend="gloo", timeout_s=60, tp_size=1, pp_size=1, cp_size=1)
-        trainer = RankTrainer(sgd_config(dp_size=2), info)
+                                backend="gloo", timeout_s=60, tp_size=1, pp_size=pp_size, cp_size=1)
+        trainer = RankTrainer(sgd_config(dp_size=2 // pp_size, pp_size=pp_size), info)
         recorded: list = []
 
         def wrap(name, original):
@@ -170,12 +170,17 @@ def record_collectives_worker(rank: int, port: int, shards_by_phase: dict, resul
         for phase, shards in shards_by_phase.items():
             recorded.clear()
             for name, original in originals.items():
-                setattr(dist, name, wrap(name, original))
+                wrapped = wrap(name, original)
+                setattr(dist, name, wrapped)
+                if name in ("isend", "irecv"):  # P2POp accepts only the functions c10d itself names
+                    setattr(dist.distributed_c10d, name, wrapped)
             try:
                 result = trainer.train_shard(shards[info.dp_rank])
             finally:
                 for name, original in originals.items():
                     setattr(dist, name, original)
+                    if name in ("isend", "irecv"):
+                        setattr(dist.distributed_c10d, name, original)
             by_phase[phase] = (list(recorded), result.num_microbatches)
         num_params = sum(p.numel() for p in trainer.params)
         results.put((rank, by_phase, num_params, None))
