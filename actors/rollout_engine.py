@@ -262,9 +262,51 @@ class RolloutEngine:
                            num_bytes=sum(np.asarray(a).nbytes for a in weights.values()))]
 
 
+def engine_error(error: Exception, engine_name: str, what: str) -> Exception:
+    """The error to raise for a failed call to engine `engine_name`: our own errors as they are
+    (they name the engine already), a dead actor as `EngineDiedError`, anything else as `EngineError`."""
+    if isinstance(error, ray.exceptions.RayActorError):
+        return EngineDiedError(f"{what}: rollout engine {engine_name} died ({type(error).__name__}); start a "
+                               "new RolloutEnginePool")
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, VgbsError):
+        return cause
+    return EngineError(f"{what}: rollout engine {engine_name} failed: {cause or error!r}")
+
+
 def _settle(future: asyncio.Future, setter, value) -> None:
     if not future.done():
         setter(value)
+
+
+class EngineClient:
+    """What a producer needs to sample: the engines' handles and names (picklable: pass it to actors).
+
+    `await client.generate(prompts, sampling)` picks the engine with the fewest calls in flight
+    from this client; failures raise errors naming the engine, like the pool's.
+    """
+
+    def __init__(self, engines: list, names: list[str]):
+        self.engines = list(engines)
+        self.names = list(names)
+        self._in_flight = [0] * len(self.engines)
+
+    def __getstate__(self):
+        return {"engines": self.engines, "names": self.names}
+
+    def __setstate__(self, state):
+        self.__init__(state["engines"], state["names"])
+
+    async def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *,
+                       engine_index: int | None = None) -> list[Generation]:
+        index = min(range(len(self.engines)), key=self._in_flight.__getitem__) if engine_index is None else engine_index
+        self._in_flight[index] += 1
+        try:
+            return await self.engines[index].generate.remote(list(prompts), sampling)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as error:
+            raise engine_error(error, self.names[index], "generate") from error
+        finally:
+            self._in_flight[index] -= 1
 
 
 class RolloutEnginePool:
@@ -297,6 +339,10 @@ class RolloutEnginePool:
         except BaseException:
             self.shutdown()
             raise
+
+    def client(self) -> EngineClient:
+        """A picklable handle on these engines for producers (async `generate`)."""
+        return EngineClient(self.engines, self.names)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *,
                  engine_index: int | None = None) -> list[Generation]:
@@ -339,14 +385,8 @@ class RolloutEnginePool:
         """`ray.get(ref)` of a call to engine `engine_name`, with errors that name the engine."""
         try:
             return ray.get(ref)
-        except ray.exceptions.RayActorError as error:
-            raise EngineDiedError(f"{what}: rollout engine {engine_name} died ({type(error).__name__}); start a "
-                                  "new RolloutEnginePool") from error
-        except ray.exceptions.RayTaskError as error:
-            cause = error.cause
-            if isinstance(cause, VgbsError):
-                raise cause from None
-            raise EngineError(f"{what}: rollout engine {engine_name} failed: {cause!r}") from error
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as error:
+            raise engine_error(error, engine_name, what) from error
 
     def shutdown(self) -> None:
         for engine in self.engines:

@@ -6,6 +6,8 @@ test kills the engine, so it stays last.
 
 from __future__ import annotations
 
+import asyncio
+import pickle
 import time
 
 import numpy as np
@@ -121,11 +123,30 @@ def test_a_request_longer_than_the_engine_allows_is_refused(system):
         engines.generate([[1, 2], [3] * (limit - 4)], SamplingConfig(max_tokens=8))
 
 
+def test_concurrent_async_callers_through_a_pickled_client_match_one_blocking_call(system):
+    """What producers use: `EngineClient` travels to other actors; concurrent calls are batched by the engine."""
+    _, engines, _ = system
+    client = pickle.loads(ray.cloudpickle.dumps(engines.client()))
+    sampling = SamplingConfig(max_tokens=8, seed=5)
+
+    async def two_callers():
+        return await asyncio.gather(*(client.generate([prompt], sampling) for prompt in PROMPTS[:2]))
+
+    together = [g for call in asyncio.run(two_callers()) for g in call]
+    alone = [engines.generate([prompt], sampling)[0] for prompt in PROMPTS[:2]]
+    for a, b in zip(together, alone):
+        assert np.array_equal(a.response_token_ids, b.response_token_ids)
+        assert np.allclose(a.response_log_probs, b.response_log_probs, atol=1e-5)
+
+
 def test_a_dead_engine_is_an_error_naming_it_not_a_hang(system):
     """Runs last: it kills the module's engine."""
     _, engines, _ = system
+    client = engines.client()
     ray.kill(engines.engines[0], no_restart=True)
     start = time.monotonic()
     with pytest.raises(EngineDiedError, match=rf"rollout engine {engines.names[0]} died"):
         engines.generate(PROMPTS, SamplingConfig(max_tokens=4))
+    with pytest.raises(EngineDiedError, match=rf"rollout engine {engines.names[0]} died"):
+        asyncio.run(client.generate(PROMPTS, SamplingConfig(max_tokens=4)))
     assert time.monotonic() - start < 30
