@@ -7,6 +7,8 @@ A step (`RankTrainer.train_shard`), the same on CPU (gloo) and GPU (NCCL):
    own samples under a token cap and agrees on the count with one all-reduce(MAX) over DP,
    padding with empty micro-batches (up to a multiple of the interleaved schedule's group).
    PP and TP peers of a DP rank train the same shard, so every stage sees the same list.
+   With context parallelism (GPU) each CP rank keeps its load-balanced share of every row
+   (`vgbs_ray.context_parallel`).
 2. Old log-probs: the shard's rollout log-probs, or Megatron's schedule with `forward_only=True`
    before the update (the proximal policy; the last stage keeps them).
 3. Megatron's schedule (`actors/megatron_step.py`): the first stage embeds each packed THD row,
@@ -17,8 +19,9 @@ A step (`RankTrainer.train_shard`), the same on CPU (gloo) and GPU (NCCL):
 
 Metrics travel once: the lead rank of each DP replica (TP/CP rank 0 of the last stage) returns
 its replica's (sum, count) pairs; whoever needs the step's totals (the TrainGroup, the
-scheduler's ack) sums them. No collective carries metrics, and on the layout path no
-collective agrees on a count: no all-reduce(MAX).
+scheduler's ack) sums them. No collective carries metrics across DP (with CP > 1, one SUM
+joins the CP peers' partial pairs first), and on the layout path no collective agrees on a
+count: no all-reduce(MAX).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from megatron.core import parallel_state
 
 from actors.megatron_step import MegatronStep, padding_micro_batch
 from actors.train_config import RankInfo, RankStepResult, TrainGroupConfig
+from vgbs_ray.context_parallel import split_for_context_parallel
 from vgbs_ray.errors import VgbsError
 from vgbs_ray.lr_schedule import lr_at
 from vgbs_ray.metrics import MetricPairs, reduce_metric_pairs
@@ -76,10 +80,15 @@ class RankTrainer:
             )
         micro_batches = [pack_micro_batch(shard, positions) if len(positions) else padding_micro_batch()
                          for positions in self._micro_batch_positions(shard)]
+        if self.config.cp_size > 1:  # GPU only (TrainGroupConfig refuses CP on CPU)
+            micro_batches = [split_for_context_parallel(mb, self.info.cp_rank, self.config.cp_size)
+                             for mb in micro_batches]
         old_log_probs = self._old_log_probs(shard, micro_batches)
         self.consumed_rollouts += shard.num_rollouts
         lr = lr_at(self.config.optimizer.lr_schedule, self.consumed_rollouts)
         local, grad_norm = self._step(micro_batches, old_log_probs, shard.num_rollouts, lr)
+        if self.config.cp_size > 1:
+            local = self._sum_over_context_parallel(local)
         return RankStepResult(
             step=shard.step, rank=self.info.rank, dp_rank=self.info.dp_rank, num_rollouts=shard.num_rollouts,
             num_microbatches=len(micro_batches), path="layout" if shard.has_layout else "legacy",
@@ -119,6 +128,19 @@ class RankTrainer:
                 f"microbatch_group_size_per_vp_stage={group}: the scheduler must lay steps out for this "
                 "group's parallel_config (register the train group with it)"
             )
+
+    def _sum_over_context_parallel(self, local: MetricPairs) -> MetricPairs:
+        """CP ranks each scored a part of every micro-batch's tokens: one SUM of their pairs (CP > 1 only).
+
+        Every CP rank holds a part of every sample, so the last stage's CP peers report the same names.
+        """
+        if not self.info.is_last_stage:
+            return local
+        names = sorted(local)
+        values = torch.tensor([v for name in names for v in local.get(name, (0.0, 0.0))], dtype=torch.float64,
+                              device=self.device)
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=parallel_state.get_context_parallel_group())
+        return {name: (total, count) for name, (total, count) in zip(names, values.view(-1, 2).cpu().tolist())}
 
     def _old_log_probs(self, shard: StepShard, micro_batches: list[PackedMicroBatch]) -> list[torch.Tensor | None]:
         """Per micro-batch, the old log-probs the loss compares against (last stage only; None elsewhere)."""
