@@ -25,7 +25,6 @@ so their loss and gradient are exactly zero.
 
 from __future__ import annotations
 
-import re
 from typing import Callable, Sequence
 
 import torch
@@ -36,12 +35,10 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from actors.model import build_gpt_model, packed_seq_params
+from actors.model import build_gpt_model, named_parameters_global, packed_seq_params
 from actors.train_config import TrainGroupConfig
 from vgbs_ray.hf_mapping import gather_tp_shards, split_tp_shard
 from vgbs_ray.microbatch import PackedMicroBatch
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 def padding_micro_batch() -> PackedMicroBatch:
@@ -149,16 +146,7 @@ class MegatronStep:
 
     def local_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters named as in the whole (PP=1) model: layer indices are global."""
-        named = []
-        for chunk in self.chunks:
-            model = chunk.module
-            for name, p in model.named_parameters():
-                match = _LAYER.match(name)
-                if match:
-                    layer = model.decoder.layers[int(match.group(1))]
-                    name = f"decoder.layers.{layer.layer_number - 1}." + name[match.end():]
-                named.append((name, p))
-        return named
+        return [pair for chunk in self.chunks for pair in named_parameters_global(chunk.module)]
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter of the whole model (TP shards gathered, PP stages joined); a collective over TP and PP."""
