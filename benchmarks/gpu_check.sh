@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU check (issue 12): Megatron schedule + DDP + optimizer over NCCL vs the CPU path, same update.
-# Needs one GPU (two, with Transformer Engine, for the CP=2 check). Run from the repository root
-# after `make setup`:  bash benchmarks/gpu_check.sh
+# Needs one GPU (two, with Transformer Engine, for the CP=2 check) and a CUDA build of torch: the
+# project pins the CPU wheel, so point PYTHON at an environment with the project installed over a
+# CUDA torch (same megatron-core 0.16.1). From the repository root:
+#   PYTHON=/path/to/cuda-env/bin/python bash benchmarks/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
