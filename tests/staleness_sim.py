@@ -1,14 +1,19 @@
-"""A discrete-event model of the closed loop's timing, driving the pure staleness rules.
+"""A discrete-event model of the closed loop's timing, driving the real staleness rules.
 
-Producers start rollouts (in groups, at most `concurrency` in flight) with the engine's
-current version, if admission control lets them; each rollout runs a random time (a share of
-them run long); a finished rollout is buffered with its oldest version. The scheduler forms a
-step when `gbs` fresh rollouts are buffered (stale ones dropped by `split_stale` first, taken
-in `oldest_first` or arrival order), at most `max_steps_ahead` steps ahead of the trainer; the
-trainer trains steps one after another, publishes version v + 1 after each, and the engine
-loads it `sync_s` later. When nothing can happen any more (a group that straddles a step
-boundary under a tight bound), the scheduler flushes a partial step, as the real wait policy
-does. Used by tests/test_staleness.py and benchmarks/bench_staleness.py; no Ray, no clocks.
+Producers start rollouts in groups (at most `concurrency` in flight); each runs a random time
+(a share of them run long); a finished rollout is buffered with its oldest version (the
+engine's version when it started). The scheduler forms a step when it can, at most
+`max_steps_ahead` steps ahead of the trainer; the trainer trains steps one after another,
+publishes version v + 1 after each, and the engine loads it `sync_s` later. When nothing can
+happen any more (a group that straddles a step boundary under a tight bound), the scheduler
+flushes a partial step, as the real wait policy does.
+
+Rule sets (`rules`):
+  full            `StalenessWindow`: admission, last-chance wait, oldest-first fill, stale drops
+  admission_only  the window's admission; steps fill in arrival order, never wait; stale drops
+  none            producers run flat out; steps fill in arrival order; stale drops
+
+Used by tests/test_staleness.py and benchmarks/bench_staleness.py; no Ray, no clocks.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ import itertools
 import random
 from dataclasses import dataclass, field
 
-from vgbs_ray.staleness import (STALE_REASON, admit_rollouts, last_chance_in_flight, oldest_first, split_stale,
-                                staleness)
+from vgbs_ray.staleness import STALE_REASON, split_stale, staleness
+from vgbs_ray.staleness_window import StalenessWindow, StepPlan
+
+RULE_SETS = ("full", "admission_only", "none")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,16 +41,12 @@ class SimConfig:
     long_s: float = 4.0
     train_s: float = 1.0
     sync_s: float = 0.1
-    admission: bool = True
-    fill: str = "oldest_first"
-    wait_for_last_chance: bool = True
-    """Form a step only when no rollout in flight has its last chance in it (rule 2). Needs
-    admission: without it producers could keep starting last-chance rollouts forever."""
-    max_events: int = 200_000
-    """A model that runs longer than this is livelocked: fail instead of spinning."""
+    rules: str = "full"
     max_steps_ahead: int = 1
     num_steps: int = 60
     seed: int = 0
+    max_events: int = 200_000
+    """A model that runs longer than this is livelocked: fail instead of spinning."""
 
 
 @dataclass
@@ -74,15 +77,25 @@ class SimResult:
         return sum(self.started[r] for r in ids) / len(ids) if ids else 0.0
 
 
+def _arrival_order_plan(window: StalenessWindow, buffer: dict, allow_partial: bool) -> StepPlan:
+    """Steps without the last-chance rule: stale drops, then the first gbs in arrival order."""
+    split = split_stale(buffer, trained_version=window.steps_formed, max_staleness=window.max_staleness)
+    if not split.fresh or (len(split.fresh) < window.gbs and not allow_partial):
+        return StepPlan([], split.stale, 0)
+    return StepPlan(split.fresh[:window.gbs], split.stale, 0)
+
+
 def simulate(cfg: SimConfig) -> SimResult:
+    if cfg.rules not in RULE_SETS:
+        raise ValueError(f"rules={cfg.rules!r}: pick one of {RULE_SETS}")
     rng = random.Random(cfg.seed)
     result = SimResult()
+    window = StalenessWindow(gbs=cfg.gbs, max_staleness=cfg.max_staleness)
     events: list = []
     sequence = itertools.count()
-    now = 0.0
-    version = engine_version = steps_formed = pending = 0
-    in_flight: dict = {}  # rollout id -> oldest version
-    idle_since = 0.0
+    now = idle_since = 0.0
+    version = engine_version = 0
+    in_flight: set = set()
     buffer: dict = {}  # rollout id -> oldest version, in arrival order
     oldest_of: dict = {}
     queue: list = []  # formed steps waiting for the trainer: (step, rollout ids)
@@ -93,41 +106,34 @@ def simulate(cfg: SimConfig) -> SimResult:
         heapq.heappush(events, (now + delay, next(sequence), kind, payload))
 
     def try_start():
-        nonlocal pending
-        while len(in_flight) + cfg.group_size <= cfg.concurrency and steps_formed < cfg.num_steps:
-            if cfg.admission and not admit_rollouts(
-                    num_rollouts=cfg.group_size, engine_version=engine_version, steps_formed=steps_formed,
-                    pending_rollouts=pending, gbs=cfg.gbs, max_staleness=cfg.max_staleness).admit:
+        while len(in_flight) + cfg.group_size <= cfg.concurrency and window.steps_formed < cfg.num_steps:
+            group = [next(ids) for _ in range(cfg.group_size)]
+            if cfg.rules != "none" and not window.try_admit(group, engine_version).admit:
                 return
-            for _ in range(cfg.group_size):
-                rid = next(ids)
+            for rid in group:
                 is_long = rng.random() < cfg.long_fraction
                 result.started[rid] = is_long
-                oldest_of[rid] = in_flight[rid] = engine_version
+                oldest_of[rid] = engine_version
+                in_flight.add(rid)
                 push((cfg.long_s if is_long else cfg.short_s) * rng.uniform(0.5, 1.5), "finish", rid)
-            pending += cfg.group_size
 
     def form_steps(allow_partial=False):
-        nonlocal steps_formed, pending
-        while len(queue) < cfg.max_steps_ahead and steps_formed < cfg.num_steps:
-            split = split_stale(buffer, trained_version=steps_formed, max_staleness=cfg.max_staleness)
-            for rid in split.stale:
+        while len(queue) < cfg.max_steps_ahead and window.steps_formed < cfg.num_steps:
+            if cfg.rules == "full":
+                plan = window.next_step(buffer, allow_partial=allow_partial)
+            else:
+                plan = _arrival_order_plan(window, buffer, allow_partial)
+            for rid in plan.stale:
                 del buffer[rid]
                 result.dropped[rid] = STALE_REASON
-                pending -= 1
-            if len(split.fresh) < cfg.gbs and not (allow_partial and split.fresh):
+            window.discard(plan.stale)
+            if not plan.take:
                 return
-            if cfg.wait_for_last_chance and cfg.admission and last_chance_in_flight(
-                    in_flight.values(), trained_version=steps_formed, max_staleness=cfg.max_staleness):
-                return
-            order = oldest_first(split.fresh, buffer) if cfg.fill == "oldest_first" else split.fresh
-            taken = order[:cfg.gbs]
-            result.partial_flushes += len(taken) < cfg.gbs
-            for rid in taken:
+            result.partial_flushes += len(plan.take) < cfg.gbs
+            for rid in plan.take:
                 del buffer[rid]
-            queue.append((steps_formed, taken))
-            steps_formed += 1
-            pending -= len(taken)
+            queue.append((window.steps_formed, plan.take))
+            window.step_formed(plan.take)
             allow_partial = False
 
     def start_training():
@@ -154,7 +160,8 @@ def simulate(cfg: SimConfig) -> SimResult:
         if count > cfg.max_events:
             raise RuntimeError(f"simulation livelocked after {count} events at version {version}: {cfg}")
         if kind == "finish":
-            del in_flight[payload]
+            in_flight.discard(payload)
+            window.finished(payload)
             buffer[payload] = oldest_of[payload]
         elif kind == "trained":
             version += 1

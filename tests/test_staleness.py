@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.staleness_sim import SimConfig, simulate
+from tests.staleness_sim import RULE_SETS, SimConfig, simulate
 from vgbs_ray.errors import ConfigError, RolloutValidationError
 from vgbs_ray.sample import Sample, validate_sample
 from vgbs_ray.staleness import (STALE_REASON, RolloutVersions, admit_rollouts, check_admission_config,
@@ -106,16 +106,15 @@ def test_admission_refuses_nonsense_and_checks_groups_fit():
 @settings(max_examples=60, deadline=None)
 @given(gbs=st.integers(1, 8), group_size=st.integers(1, 4), max_staleness=st.integers(0, 3),
        concurrency=st.integers(4, 24), long_fraction=st.floats(0, 0.6), long_s=st.floats(1, 8),
-       train_s=st.floats(0.1, 4), sync_s=st.floats(0, 2), admission=st.booleans(),
-       fill=st.sampled_from(["oldest_first", "fifo"]), wait=st.booleans(), ahead=st.integers(1, 3),
-       seed=st.integers(0, 10_000))
+       train_s=st.floats(0.1, 4), sync_s=st.floats(0, 2), rules=st.sampled_from(RULE_SETS),
+       ahead=st.integers(1, 3), seed=st.integers(0, 10_000))
 def test_no_trained_rollout_exceeds_max_staleness(gbs, group_size, max_staleness, concurrency, long_fraction, long_s,
-                                                  train_s, sync_s, admission, fill, wait, ahead, seed):
+                                                  train_s, sync_s, rules, ahead, seed):
     if group_size > gbs * (max_staleness + 1) or group_size > concurrency:
         return  # refused at start-up (check_admission_config) / a group never fits the engines
     cfg = SimConfig(gbs=gbs, group_size=group_size, max_staleness=max_staleness, concurrency=concurrency,
-                    long_fraction=long_fraction, long_s=long_s, train_s=train_s, sync_s=sync_s, admission=admission,
-                    fill=fill, wait_for_last_chance=wait, max_steps_ahead=ahead, num_steps=12, seed=seed)
+                    long_fraction=long_fraction, long_s=long_s, train_s=train_s, sync_s=sync_s, rules=rules,
+                    max_steps_ahead=ahead, num_steps=12, seed=seed)
     result = simulate(cfg)
     assert all(lag <= max_staleness for _, lag in result.trained.values())
     # live (the rules never wait on each other forever), and steps train one after another:
@@ -129,14 +128,14 @@ def test_no_trained_rollout_exceeds_max_staleness(gbs, group_size, max_staleness
 
 
 def test_steady_state_keeps_stale_drops_low_and_long_rollouts_fed():
-    """max_staleness=1, a fifth of rollouts 4x longer: admission + last-chance + oldest-first
-    drops under 5% and trains long rollouts at their started share; without the last-chance
-    rule (plain arrival order) the long ones starve."""
+    """max_staleness=1, a fifth of rollouts 4x longer: the full rules (StalenessWindow) drop
+    under 5% and train long rollouts at their started share; with admission alone (arrival
+    order, no last-chance wait) the long ones starve."""
     base = dict(gbs=16, group_size=4, max_staleness=1, concurrency=32, long_fraction=0.2, num_steps=120)
     for seed in range(3):
         fed = simulate(SimConfig(**base, seed=seed))
         assert fed.stale_drop_rate() < 0.05
         assert abs(fed.long_share(fed.trained) - fed.long_share(fed.started)) < 0.03
-        starved = simulate(SimConfig(**base, seed=seed, fill="fifo", wait_for_last_chance=False))
+        starved = simulate(SimConfig(**base, seed=seed, rules="admission_only"))
         assert starved.long_share(starved.trained) < 0.5 * starved.long_share(starved.started)
         assert starved.stale_drop_rate() > 0.05

@@ -1,0 +1,67 @@
+"""StalenessWindow: the scheduler's staleness state (the timing model in test_staleness drives it at random)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vgbs_ray.staleness_window import StalenessWindow
+
+
+def test_admission_counts_pending_until_formed_or_discarded():
+    window = StalenessWindow(gbs=4, max_staleness=0, steps_formed=2)
+    assert window.try_admit(["a", "b", "c"], engine_version=2).admit
+    assert not window.try_admit(["d", "e"], engine_version=2).admit  # would straddle into step 3
+    assert (window.pending_rollouts, window.in_flight_rollouts) == (3, 3)
+    window.discard(["c"])  # e.g. a failed rollout: its room is free again
+    assert window.try_admit(["d", "e"], engine_version=2).admit
+    window.finished("a")
+    assert (window.pending_rollouts, window.in_flight_rollouts) == (4, 3)
+    with pytest.raises(ValueError, match="admitted twice"):
+        window.try_admit(["a"], engine_version=2)
+    with pytest.raises(ValueError, match="admitted twice"):
+        window.try_admit(["x", "x"], engine_version=2)
+
+
+def test_a_step_waits_for_last_chance_rollouts_then_takes_oldest_first():
+    window = StalenessWindow(gbs=2, max_staleness=1, steps_formed=5)
+    assert window.try_admit(["slow"], engine_version=4).admit  # its last chance: step 5
+    buffered = {"new1": 5, "new2": 5, "old": 4}
+    plan = window.next_step(buffered)
+    assert plan.take == [] and plan.waiting_for == 1
+    window.finished("slow")
+    buffered["slow"] = 4
+    plan = window.next_step(buffered)
+    assert plan.take == ["old", "slow"] and plan.waiting_for == 0 and plan.stale == []
+    window.step_formed(plan.take)
+    assert window.steps_formed == 6 and window.pending_rollouts == 0
+
+
+def test_stale_rollouts_are_listed_and_partial_steps_need_a_flush():
+    window = StalenessWindow(gbs=3, max_staleness=1, steps_formed=7)
+    buffered = {"ancient": 4, "fresh": 7, "synthetic": None}
+    plan = window.next_step(buffered)
+    assert plan.take == [] and plan.stale == ["ancient"]  # 2 fresh < gbs 3
+    flushed = window.next_step(buffered, allow_partial=True)
+    assert flushed.take == ["fresh", "synthetic"] and flushed.stale == ["ancient"]
+    assert window.next_step({"ancient": 4}, allow_partial=True).take == []  # nothing fresh: no empty step
+
+
+def test_rollouts_that_were_never_admitted_take_part_like_any_other():
+    window = StalenessWindow(gbs=2, max_staleness=0)
+    window.finished("pushed")  # never admitted: nothing to forget
+    plan = window.next_step({"pushed": None, "also": 0})
+    assert plan.take == ["also", "pushed"]
+    window.step_formed(plan.take)
+    assert window.steps_formed == 1 and window.pending_rollouts == 0
+
+
+def test_a_rollout_past_its_last_chance_is_not_waited_for():
+    window = StalenessWindow(gbs=1, max_staleness=0, steps_formed=3)
+    assert window.try_admit(["late"], engine_version=3).admit
+    window.step_formed([])  # a step formed without it (e.g. a partial flush): "late" can only be stale now
+    assert window.next_step({"other": 4}).take == ["other"]
+
+
+def test_bad_construction_is_named():
+    with pytest.raises(ValueError, match="gbs >= 1"):
+        StalenessWindow(gbs=0, max_staleness=0)

@@ -1,0 +1,106 @@
+"""The scheduler's staleness state, and the three rules of `vgbs_ray.staleness` applied to it.
+
+    window = StalenessWindow(gbs=64, max_staleness=1, steps_formed=restored_version)
+    decision = window.try_admit(rollout_ids, engine_version)   # a producer asks before starting a group
+    window.finished(rollout_id)                                # all its samples arrived: it is buffered
+    window.discard(rollout_ids)                                # filtered, rejected, failed, dropped stale
+    plan = window.next_step(buffered_oldest)                   # what to do: StepPlan(take, stale, waiting_for)
+    window.step_formed(plan.take)                              # after the scheduler formed that step
+
+The window holds only what the rules need: the rollouts admitted and not yet in a step or
+discarded (`pending`), the version each in-flight one started with, and the number of steps
+formed (= the version the next step trains). The buffered rollouts themselves stay with the
+caller (the scheduler's intake), which passes their oldest versions to `next_step`.
+`next_step` decides and changes nothing; the caller acts (drops `stale` with reason
+`stale`, forms `take`) and reports back. Rollouts that were never admitted (synthetic
+producers, pushes that did not ask) are fine everywhere: they are not pending, never waited
+for, and take part in steps like any other.
+
+Invariants (tests/test_staleness_window.py, and the timing model's property test): no
+planned rollout has staleness above `max_staleness` at `steps_formed`; a plan takes nothing
+while an admitted rollout in flight has its last chance in this step; pending and in-flight
+never hold a rollout that was formed or discarded. A rollout admitted and then lost without
+`discard` would hold its last-chance step forever: callers must discard failures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Iterable, Mapping
+
+from vgbs_ray.staleness import (AdmissionDecision, admit_rollouts, last_chance_in_flight, oldest_first,
+                                split_stale)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the next step should be, by the staleness rules."""
+
+    take: list
+    """Rollouts for the step, oldest version first; empty when the step cannot form yet."""
+    stale: list
+    """Buffered rollouts too stale for this or any later step: drop them (reason `stale`)."""
+    waiting_for: int
+    """Admitted rollouts still in flight whose last chance is this step (`take` is empty while > 0)."""
+
+
+class StalenessWindow:
+    """Admission, last-chance waits and stale drops for one stream of steps (see module docstring)."""
+
+    def __init__(self, *, gbs: int, max_staleness: int, steps_formed: int = 0):
+        if gbs < 1 or max_staleness < 0 or steps_formed < 0:
+            raise ValueError(f"StalenessWindow needs gbs >= 1, max_staleness >= 0, steps_formed >= 0; got "
+                             f"gbs={gbs}, max_staleness={max_staleness}, steps_formed={steps_formed}")
+        self.gbs = gbs
+        self.max_staleness = max_staleness
+        self.steps_formed = steps_formed
+        self._pending: set = set()
+        self._in_flight: dict = {}  # rollout id -> version it was admitted with
+
+    @property
+    def pending_rollouts(self) -> int:
+        return len(self._pending)
+
+    @property
+    def in_flight_rollouts(self) -> int:
+        return len(self._in_flight)
+
+    def try_admit(self, rollout_ids: Iterable[Hashable], engine_version: int) -> AdmissionDecision:
+        """Admit all of `rollout_ids` (a group) or none; admitted ones count as pending and in flight."""
+        ids = list(rollout_ids)
+        again = [rid for rid in ids if rid in self._pending]
+        if again or len(set(ids)) != len(ids):
+            raise ValueError(f"rollout ids admitted twice: {again or ids}; a resumed producer must not re-admit "
+                             "rollouts the window still holds")
+        decision = admit_rollouts(num_rollouts=len(ids), engine_version=engine_version, steps_formed=self.steps_formed,
+                                  pending_rollouts=len(self._pending), gbs=self.gbs, max_staleness=self.max_staleness)
+        if decision.admit:
+            self._pending.update(ids)
+            self._in_flight.update((rid, engine_version) for rid in ids)
+        return decision
+
+    def finished(self, rollout_id: Hashable) -> None:
+        """The rollout is complete and buffered (still pending until a step takes it)."""
+        self._in_flight.pop(rollout_id, None)
+
+    def discard(self, rollout_ids: Iterable[Hashable]) -> None:
+        """The rollouts will never be trained (filtered, rejected, failed, dropped): free their room."""
+        for rid in rollout_ids:
+            self._pending.discard(rid)
+            self._in_flight.pop(rid, None)
+
+    def next_step(self, buffered_oldest: Mapping[Hashable, int | None], *, allow_partial: bool = False) -> StepPlan:
+        """The plan for the step that trains version `steps_formed`, from the buffered rollouts
+        (id -> oldest version, None = unversioned, in arrival order). A full step takes `gbs`;
+        with `allow_partial` (a flush, end of input) it takes whatever fresh rollouts there are."""
+        split = split_stale(buffered_oldest, trained_version=self.steps_formed, max_staleness=self.max_staleness)
+        waiting = last_chance_in_flight(self._in_flight.values(), trained_version=self.steps_formed,
+                                        max_staleness=self.max_staleness)
+        if waiting or not split.fresh or (len(split.fresh) < self.gbs and not allow_partial):
+            return StepPlan([], split.stale, waiting)
+        return StepPlan(oldest_first(split.fresh, buffered_oldest)[:self.gbs], split.stale, 0)
+
+    def step_formed(self, rollout_ids: Iterable[Hashable]) -> None:
+        """The scheduler formed the next step from `rollout_ids`: the next one trains one version later."""
+        self.discard(rollout_ids)
+        self.steps_formed += 1
