@@ -57,6 +57,7 @@ CONFIGS = [
     ("successor, 16 prompts, on-policy", "successor_of_last", 16, 0),
     ("successor, 8 prompts, stale 1", "successor_of_last", 8, 1),
     ("successor, 8 prompts, stale 2", "successor_of_last", 8, 2),
+    ("successor, 16 prompts, stale 2", "successor_of_last", 16, 2),
     ("first digit, 8 prompts, on-policy", "first", 8, 0),
     ("sum mod 10 (hard control)", "sum_mod_10", 8, 0),
 ]
