@@ -5,33 +5,36 @@
     result = ray.get(scheduler.submit.remote(samples))        # producers push, any order
     ray.get(scheduler.consume_dataset.remote(ds))              # and/or a Ray Data stream
     ref = ray.get(scheduler.get_shard.remote(step, rank, timeout_s=60))
-    shard = ray.get(ref.ref); ...; ray.get(scheduler.ack_step.remote(step, rank, metrics))
+    shard = ray.get(ref.ref); ...; ray.get(scheduler.ack_step.remote(step, rank, metric_pairs))
 
-A thin shell (named, `num_cpus=0`, threaded with `max_concurrency`) around the core:
-`RolloutIntake` (validation, completion, group advantages, backpressure bounds), `Ledger`
-(one state per rollout id) and `plan_step` (layout + shards). One lock guards them;
-layout and `ray.put` run outside it on a single emitter thread (`scheduler_emission`),
-so pushes, pulls and stats never wait for a step to be laid out, and steps are numbered
-in emission order.
+An asyncio Ray actor (named, `num_cpus=0`) and a thin shell around the core: `RolloutIntake`
+(validation, completion, group advantages, buffer bounds), `Ledger` (one state per rollout,
+compact once settled), `plan_step` (layout + shards) and `scheduler_policy` (what to do
+next, whom to admit). The event loop is the only owner of that state: no locks. Waits are
+awaits, so a thousand ranks parked in `get_shard` cost no threads.
 
-Threads: the emitter (forms full steps whenever gbs rollouts are ready, runs flush
-requests, and the max-wait flush), one consumer per `consume_dataset`, and Ray's call
-threads. Blocking calls (`get_shard`, `submit(wait_s>0)`, `flush`, `end_of_input`) wait with
-a deadline on the one lock's condition variables: `get_shard` on its own (woken only when a
-step is published or the stream ends, not by every push), the rest on the shared one.
+One emitter coroutine runs `scheduler_policy.next_action` in a loop: emit a full step, run a
+flush, run the max-wait flush, or wait for a change. Laying a step out and `ray.put` of its
+shards run on one worker thread (`run_in_executor`), so pushes and pulls go on meanwhile;
+steps are numbered in emission order. An unexpected error there (a bug, a failing object
+store) is not retried: the scheduler records it as `failure` and every call then raises it,
+instead of a loop that spins or a flush that times out.
 
-Backpressure contract: `submit` never blocks by default; samples it cannot take are
-returned as `SubmitResult.deferred` positions with `retry_after_s`: resubmit those. With
-`wait_s > 0` it waits up to that long for room first. A Ray Data consumer simply waits.
+Backpressure contract: `submit` never blocks by default; samples it cannot take are returned
+as `SubmitResult.deferred` positions with `retry_after_s`: resubmit those. With `wait_s > 0`
+it waits up to that long for room first. A Ray Data consumer simply waits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import threading
 import time
-from dataclasses import replace
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import ray
@@ -39,15 +42,18 @@ import ray
 from actors.scheduler_api import (
     FlushResult, SchedulerConfig, SchedulerStats, ShardRef, StepRecord, SubmitResult,
 )
-from actors.scheduler_emission import EmissionMixin, _FlushTicket, _StepSlot
 from actors.scheduler_metrics import SchedulerMetrics
 from vgbs_ray.config import ParallelConfig, check_schedule_configs
 from vgbs_ray.eligibility import SchedulingDecision, decide_scheduling
 from vgbs_ray.errors import ConfigError, SchedulerStateError, SchedulerTimeoutError
-from vgbs_ray.intake import Rejection, RolloutIntake
+from vgbs_ray.intake import IngestOutcome, ReadyRollout, RolloutIntake
 from vgbs_ray.ledger import Ledger
 from vgbs_ray.metrics import reduce_metric_pairs
 from vgbs_ray.sample import Sample
+from vgbs_ray.scheduler_policy import (
+    EmitFullStep, FlushRequest, MaxWaitFlush, RunFlush, SchedulerView, WaitFor, admit_new_rollouts, next_action,
+)
+from vgbs_ray.stepping import PlannedStep, leftover_action, leftover_drop_reason, plan_step
 
 __all__ = [
     "FlushResult", "SchedulerActor", "SchedulerConfig", "SchedulerStats", "ShardRef", "StepRecord",
@@ -55,7 +61,7 @@ __all__ = [
 ]
 
 DEFAULT_NAME = "vgbs-scheduler"
-
+MAX_DATASET_ERRORS = 100
 
 # CPython's cyclic GC thresholds for the scheduler's own worker process (see below).
 _GC_THRESHOLDS = (50_000, 20, 100)
@@ -69,13 +75,53 @@ def _relax_gc_in_this_process() -> None:
     pushes and its older generations rescan them all. Nothing here creates reference
     cycles in bulk, so collecting less often only delays freeing a few. Measured with
     benchmarks/bench_scheduler.py on 2 cores: the push path went from 0.48 to 0.59 of a
-    no-op actor's rate, pushes with steps emitting from 0.35 to 0.43.
+    no-op actor's rate.
     """
     gc.set_threshold(*_GC_THRESHOLDS)
 
 
-class SchedulerActor(EmissionMixin):
-    """Plain class; `create_scheduler` makes it a named Ray actor. See the module docstring."""
+class _Signal:
+    """A broadcast: `notify()` wakes every current `wait()`er (asyncio, one loop)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout_s: float | None) -> None:
+        event = self._event
+        if timeout_s is None:
+            await event.wait()
+            return
+        try:
+            await asyncio.wait_for(event.wait(), max(0.0, timeout_s))
+        except asyncio.TimeoutError:
+            pass
+
+
+@dataclass
+class _PendingFlush:
+    request: FlushRequest
+    created_at: float
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    result: FlushResult | None = None
+    error: str | None = None
+
+
+@dataclass
+class _StepSlot:
+    """An emitted step until every DP rank acknowledged it: its shards and who acked."""
+
+    refs: list
+    num_rollouts: int
+    acks: dict = field(default_factory=dict)
+    """DP rank -> its (sum, count) metric pairs."""
+
+
+class SchedulerActor:
+    """Plain class; `create_scheduler` makes it a named asyncio Ray actor. See the module docstring."""
 
     def __init__(self, config: SchedulerConfig, name: str = DEFAULT_NAME):
         self.config = config
@@ -87,212 +133,227 @@ class SchedulerActor(EmissionMixin):
             self.log.addHandler(logging.StreamHandler())
             self.log.setLevel(logging.INFO)
         self.ledger = Ledger()
-        self.intake = RolloutIntake(config.intake_config(), self.ledger)
+        self.intake = RolloutIntake(config.intake, self.ledger)
         self.metrics = SchedulerMetrics(name)
-        lock = threading.RLock()
-        self._cond = threading.Condition(lock)
-        # get_shard waits alone on its own condition (same lock): woken when a step is
-        # published or the stream ends, not by each push (a herd of blocked pulls per submit).
-        self._published = threading.Condition(lock)
         self._parallel: ParallelConfig | None = None
         self._advertise_layout = True
-        self._steps: dict[int, _StepSlot] = {}
+        self._slots: dict[int, _StepSlot] = {}
+        self._records: OrderedDict[int, StepRecord] = OrderedDict()
         self._next_step = 0
         self._steps_trained = 0
-        self._tickets: list[_FlushTicket] = []
+        self._partial_steps = 0
+        self._padded_steps = 0
+        self._flushes: deque[_PendingFlush] = deque()
         self._active_datasets = 0
         self._input_closed = False
         self._ended = False
-        self._stop = False
+        self._failure: str | None = None
         self._accepted = self._rejected = self._deferred = 0
         self._rollouts_seen = 0
         self._incomplete: list = []
         self._dataset_errors: list[str] = []
-        self._stalled_ready = -1
         self._last_decision: str | None = None
-        self._emitter = threading.Thread(target=self._emit_loop, name=f"{name}-emitter", daemon=True)
-        self._emitter.start()
+        self._changed: _Signal | None = None     # any change the emitter or a waiting submit cares about
+        self._published: _Signal | None = None   # a step was published, the stream ended, or a failure
+        self._emitter: asyncio.Task | None = None
+        self._layout_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-layout")
+
+    def _start(self) -> None:
+        """On the event loop, at the first call: signals and the emitter coroutine."""
+        if self._emitter is None:
+            self._changed, self._published = _Signal(), _Signal()
+            self._emitter = asyncio.get_running_loop().create_task(self._emit_loop())
 
     # -- train side ------------------------------------------------------------------
-    def register_train_group(self, parallel: ParallelConfig, advertise_layout: bool = True) -> SchedulingDecision:
+    async def register_train_group(self, parallel: ParallelConfig, advertise_layout: bool = True) -> SchedulingDecision:
         """Advertise the train group's parallel layout; steps are laid out only after this.
 
         advertise_layout=False selects the legacy path (even DP split, no micro-batch layout).
         Returns the scheduling decision for a full step. Raises ConfigError for a pair of
         configs that can never be laid out, or a different layout once steps were emitted.
         """
+        self._start()
         check_schedule_configs(parallel, self.config.batch)
-        with self._cond:
-            if self._parallel is not None and self._next_step and (parallel, advertise_layout) != (self._parallel, self._advertise_layout):
-                raise ConfigError(f"scheduler {self.name!r} already emitted steps for {self._parallel}; "
-                                  "start a new scheduler for a different train group")
-            self._parallel, self._advertise_layout = parallel, advertise_layout
-            self._wake_all()
-        decision = decide_scheduling(parallel if advertise_layout else None, has_rollout_ids=True,
-                                     num_rollouts=self.config.batch.global_batch_size,
-                                     global_batch_size=self.config.batch.global_batch_size, features=self.config.features)
+        if self._parallel is not None and self._next_step and (parallel, advertise_layout) != (self._parallel, self._advertise_layout):
+            raise ConfigError(f"scheduler {self.name!r} already emitted steps for {self._parallel}; "
+                              "start a new scheduler for a different train group")
+        self._parallel, self._advertise_layout = parallel, advertise_layout
+        self._changed.notify()
+        gbs = self.config.batch.global_batch_size
+        decision = decide_scheduling(parallel if advertise_layout else None, num_rollouts=gbs,
+                                     global_batch_size=gbs, features=self.config.features)
         self.log.info("%s: train group registered (%s); scheduling: %s", self.name, parallel, decision.reason)
         return decision
 
-    def get_shard(self, step: int, rank: int, timeout_s: float = 60.0) -> ShardRef | None:
-        """Block until rank `rank`'s shard of `step` is in the object store; return where it is.
+    async def get_shard(self, step: int, rank: int, timeout_s: float = 60.0) -> ShardRef | None:
+        """Wait until rank `rank`'s shard of `step` is in the object store; return where it is.
 
         Returns None once input ended and `step` will never exist. Raises
-        SchedulerTimeoutError after `timeout_s`, SchedulerStateError for a released step.
+        SchedulerTimeoutError after `timeout_s`, SchedulerStateError for a released step or
+        after an internal failure.
         """
+        self._start()
         deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while True:
-                if self._parallel is not None and not 0 <= rank < self._parallel.dp_size:
-                    raise ConfigError(f"rank {rank} is outside dp_size={self._parallel.dp_size}")
-                slot = self._steps.get(step)
-                if slot is not None:
-                    if slot.refs is None:
-                        raise SchedulerStateError(f"step {step} was acknowledged by every rank and released")
-                    rec = slot.record
-                    return ShardRef(step, rank, slot.refs[rank], rec.num_rollouts, rec.samples_per_rank[rank],
-                                    rec.layout == "rollout_side")
-                if self._ended and step >= self._next_step:
-                    return None
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise SchedulerTimeoutError(
-                        f"step {step}, rank {rank}: no shard after {timeout_s} s; {self.intake.num_ready} rollouts ready "
-                        f"(global_batch_size={self.config.batch.global_batch_size}), {self.intake.num_buffered_rollouts} "
-                        f"buffered, {self._next_step} steps emitted, train group registered: {self._parallel is not None}")
-                self._published.wait(remaining)
+        while True:
+            self._raise_if_failed()
+            if self._parallel is not None and not 0 <= rank < self._parallel.dp_size:
+                raise ConfigError(f"rank {rank} is outside dp_size={self._parallel.dp_size}")
+            slot = self._slots.get(step)
+            if slot is not None:
+                return ShardRef(step, rank, slot.refs[rank], slot.num_rollouts)
+            if step < self._next_step:
+                raise SchedulerStateError(f"step {step} was acknowledged by every rank and released")
+            if self._ended:
+                return None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise SchedulerTimeoutError(
+                    f"step {step}, rank {rank}: no shard after {timeout_s} s; {self.intake.num_ready} rollouts ready "
+                    f"(global_batch_size={self.config.batch.global_batch_size}), {self.intake.num_buffered_rollouts} "
+                    f"buffered, {self._next_step} steps emitted, train group registered: {self._parallel is not None}")
+            await self._published.wait(remaining)
 
-    def ack_step(self, step: int, rank: int, metrics: dict[str, tuple[float, float]] | None = None) -> bool:
-        """Rank `rank` trained `step`. Returns True when this ack completes the step (shards released)."""
-        with self._cond:
-            slot = self._steps.get(step)
-            if slot is None:
-                raise SchedulerStateError(f"ack for step {step}, which was never emitted")
-            dp_size = len(slot.record.samples_per_rank)
-            if not 0 <= rank < dp_size:
-                raise ConfigError(f"rank {rank} is outside dp_size={dp_size}")
-            if rank in slot.acks:
-                raise SchedulerStateError(f"step {step}: rank {rank} acknowledged twice")
-            slot.acks[rank] = dict(metrics or {})
-            if len(slot.acks) < dp_size:
-                return False
-            self.ledger.train_step(step)
-            slot.refs = None  # the scheduler's references go; borrowers keep theirs alive
+    async def ack_step(self, step: int, rank: int, metrics: dict[str, tuple[float, float]] | None = None) -> bool:
+        """DP rank `rank` trained `step`, with its `(sum, count)` metric pairs (the only way metrics
+        travel: no collective carries them). Returns True when this ack completes the step: its
+        shards are released and the pairs of all ranks are reduced into the step's record.
+        """
+        self._start()
+        self._raise_if_failed()
+        slot = self._slots.get(step)
+        if slot is None:
+            what = "was already acknowledged by every rank" if step < self._next_step else "was never emitted"
+            raise SchedulerStateError(f"ack for step {step}, which {what}")
+        if not 0 <= rank < len(slot.refs):
+            raise ConfigError(f"rank {rank} is outside dp_size={len(slot.refs)}")
+        if rank in slot.acks:
+            raise SchedulerStateError(f"step {step}: rank {rank} acknowledged twice")
+        slot.acks[rank] = dict(metrics or {})
+        if len(slot.acks) < len(slot.refs):
+            return False
+        self.ledger.train_step(step)
+        del self._slots[step]  # the scheduler's references go; borrowers keep theirs alive
+        if step in self._records:
             reduced = reduce_metric_pairs(slot.acks[r] for r in sorted(slot.acks))
-            slot.record = replace(slot.record, trained=True, metrics=reduced)
-            self._steps_trained += 1
-            self._refresh_gauges()
-            self._cond.notify_all()
-            return True
+            self._records[step] = replace(self._records[step], trained=True, metrics=reduced)
+        self._steps_trained += 1
+        self._refresh_gauges()
+        self._changed.notify()  # admission may reopen (max_steps_ahead)
+        return True
 
     # -- producer side ---------------------------------------------------------------
-    def submit(self, samples: Sequence[Sample | dict[str, Any]], wait_s: float = 0.0) -> SubmitResult:
+    async def submit(self, samples: Sequence[Sample | dict[str, Any]], wait_s: float = 0.0) -> SubmitResult:
         """Take a batch of samples (any rollouts, any order); see SubmitResult for what happened to each."""
+        self._start()
+        self._raise_if_failed()
+        if self._input_closed:
+            raise SchedulerStateError(f"scheduler {self.name!r}: end_of_input() was called; no more samples")
         deadline = time.monotonic() + wait_s
         pending = list(range(len(samples)))
         accepted, rejected, completed = 0, [], []
-        with self._cond:
-            if self._input_closed:
-                raise SchedulerStateError(f"scheduler {self.name!r}: end_of_input() was called; no more samples")
-            while True:
-                accept_new, reason = self._admission()
-                out = self.intake.ingest([samples[i] for i in pending], now=time.monotonic(), accept_new=accept_new)
-                accepted += out.accepted
-                rejected += out.rejections
-                completed += out.completed
-                self._after_ingest(out)
-                pending = [pending[p] for p in out.deferred]
-                remaining = deadline - time.monotonic()
-                if not pending or remaining <= 0:
-                    break
-                self._cond.wait(min(remaining, 0.5))
-            if pending:
-                self._deferred += len(pending)
-                self.metrics.on_submit(0, (), len(pending))
+        reason = ""
+        while True:
+            accept_new, reason = self._admission()
+            batch = samples if len(pending) == len(samples) else [samples[i] for i in pending]
+            out = self.intake.ingest(batch, now=time.monotonic(), accept_new=accept_new)
+            accepted += out.accepted
+            rejected += out.rejections
+            completed += out.completed
+            self._after_ingest(out)
+            pending = [pending[p] for p in out.deferred]
+            remaining = deadline - time.monotonic()
+            if not pending or remaining <= 0:
+                break
+            await self._changed.wait(min(remaining, 0.5))
+        if pending:
+            self._deferred += len(pending)
+            self.metrics.on_submit(0, (), len(pending))
         return SubmitResult(accepted=accepted, rejected=tuple(rejected), deferred=tuple(pending),
                             retry_after_s=self.config.retry_after_s if pending else None,
                             backpressure_reason=(reason or "buffer_full") if pending else None,
                             completed_rollouts=tuple(completed))
 
-    def consume_dataset(self, dataset: "ray.data.Dataset", end_input_when_done: bool = False,
-                        flush_when_done: bool = True) -> None:
-        """Start consuming `dataset` rows in completion order on a background thread; returns at once.
+    async def consume_dataset(self, dataset: "ray.data.Dataset", end_input_when_done: bool = False) -> None:
+        """Start consuming `dataset` rows in completion order in the background; returns at once.
 
         Each row is one sample (`Sample.from_dict` keys); a row without `rollout_size` is a
-        one-sample rollout. When the stream ends: `end_of_input` if `end_input_when_done`, else
-        a flush (trigger "end_of_dataset": a partial step per the leftover policy) if
-        `flush_when_done`. A consumer never defers: it waits for room (Ray Data backs off
-        upstream). Errors of the stream land in stats().dataset_errors.
+        one-sample rollout. The end of one stream is not the end of input (producers may still
+        push): it emits nothing, unless `end_input_when_done` (then `end_of_input` runs). A
+        consumer never defers: it waits for room (Ray Data backs off upstream). Rejected rows
+        are counted like pushed samples; a failing stream lands in stats().dataset_errors.
         """
+        self._start()
+        self._raise_if_failed()
+        if self._input_closed:
+            raise SchedulerStateError(f"scheduler {self.name!r}: end_of_input() was called; no more datasets")
         try:
             dataset.context.execution_options.preserve_order = False  # completion order, not input order
         except AttributeError:
             pass
-        with self._cond:
-            if self._input_closed:
-                raise SchedulerStateError(f"scheduler {self.name!r}: end_of_input() was called; no more datasets")
-            self._active_datasets += 1
-        threading.Thread(target=self._consume, args=(dataset, end_input_when_done, flush_when_done),
+        self._active_datasets += 1
+        loop = asyncio.get_running_loop()
+        threading.Thread(target=self._consume, args=(dataset, loop, end_input_when_done),
                          name=f"{self.name}-dataset", daemon=True).start()
 
-    def flush(self, timeout_s: float = 60.0) -> FlushResult:
+    async def flush(self, timeout_s: float = 60.0) -> FlushResult:
         """Emit every full step, then treat what is left by the leftover policy. Waits for it."""
-        return self._wait_ticket(self._enqueue("flush", end_of_input=False), timeout_s)
+        self._start()
+        return await self._await_flush(self._request_flush("flush", end_of_input=False), timeout_s)
 
-    def end_of_input(self, timeout_s: float = 120.0) -> FlushResult:
+    async def end_of_input(self, timeout_s: float = 120.0) -> FlushResult:
         """No more pushes: after running datasets finish, flush, close incomplete rollouts
         (reported in stats().incomplete_rollouts, recorded as dropped), and end the stream:
         get_shard past the last step then returns None."""
-        with self._cond:
-            self._input_closed = True
-        return self._wait_ticket(self._enqueue("end_of_input", end_of_input=True), timeout_s)
+        self._start()
+        self._input_closed = True
+        return await self._await_flush(self._request_flush("end_of_input", end_of_input=True), timeout_s)
 
     # -- reports ---------------------------------------------------------------------
-    def stats(self, include_rollouts: bool = False, check_ledger: bool = False) -> SchedulerStats:
-        """Counts, per-step records and the ledger summary (O(steps + rollouts seen)).
+    async def step_record(self, step: int) -> StepRecord:
+        """The record of one step (within the newest `step_record_window` steps). O(1)."""
+        record = self._records.get(step)
+        if record is None:
+            raise SchedulerStateError(
+                f"no record of step {step}: {self._next_step} steps emitted, the newest "
+                f"{self.config.step_record_window} are kept (SchedulerConfig.step_record_window)")
+        return record
+
+    async def stats(self, include_rollouts: bool = False, check_ledger: bool = False) -> SchedulerStats:
+        """Counts, the newest step records and the ledger summary: O(step_record_window).
 
         include_rollouts adds every rollout id's (state, step, reason); check_ledger also runs
         the ledger invariants (raises LedgerError on a scheduler bug). Both are O(rollouts).
         """
-        with self._cond:
-            if check_ledger:
-                self.ledger.check()
-            states = None
-            if include_rollouts:
-                states = {}
-                for rid, e in self.ledger.entries():
-                    states[rid] = (e.state.value, e.step, e.reason)
-            return SchedulerStats(
-                accepted_samples=self._accepted, rejected_samples=self._rejected, deferred_samples=self._deferred,
-                buffered_rollouts=self.intake.num_buffered_rollouts, buffered_samples=self.intake.buffered_samples,
-                buffered_tokens=self.intake.buffered_tokens, ready_rollouts=self.intake.num_ready,
-                steps_emitted=self._next_step, steps_trained=self._steps_trained,
-                input_closed=self._input_closed, ended=self._ended,
-                steps=tuple(self._steps[k].record for k in sorted(self._steps)),
-                ledger=self.ledger.summary(), incomplete_rollouts=tuple(self._incomplete),
-                rejections=tuple(self._recent_rejections()), dataset_errors=tuple(self._dataset_errors),
-                rollout_states=states,
-            )
+        if check_ledger:
+            self.ledger.check()
+        states = None
+        if include_rollouts:
+            states = {rid: (e.state.value, e.step, e.reason) for rid, e in self.ledger.entries()}
+        return SchedulerStats(
+            accepted_samples=self._accepted, rejected_samples=self._rejected, deferred_samples=self._deferred,
+            buffered_rollouts=self.intake.num_buffered_rollouts, buffered_samples=self.intake.buffered_samples,
+            buffered_tokens=self.intake.buffered_tokens, ready_rollouts=self.intake.num_ready,
+            steps_emitted=self._next_step, steps_trained=self._steps_trained,
+            partial_steps=self._partial_steps, padded_steps=self._padded_steps,
+            input_closed=self._input_closed, ended=self._ended, recent_steps=tuple(self._records.values()),
+            ledger=self.ledger.summary(), incomplete_rollouts=tuple(self._incomplete),
+            rejections=tuple(self.ledger.recent_rejections), dataset_errors=tuple(self._dataset_errors),
+            failure=self._failure, rollout_states=states,
+        )
 
-    def _recent_rejections(self, limit: int = 1000) -> list[Rejection]:
-        return [Rejection(r.rollout_id, r.sample_index, r.rule, r.message) for r in self.ledger.rejections[-limit:]]
+    async def close(self) -> None:
+        """Stop the emitter (the actor may then be killed)."""
+        if self._emitter is not None:
+            self._emitter.cancel()
+        self._layout_thread.shutdown(wait=False, cancel_futures=True)
 
-    def close(self) -> None:
-        """Stop the emitter thread (the actor may then be killed)."""
-        with self._cond:
-            self._stop = True
-            self._wake_all()
-        self._emitter.join(timeout=5)
-
-    # -- internals: admission ----------------------------------------------------------
+    # -- internals: intake ---------------------------------------------------------------
     def _admission(self) -> tuple[bool, str]:
-        k = self.config.max_steps_ahead
-        in_flight = self._next_step - self._steps_trained
-        if k is not None and in_flight > k:
-            return False, f"staleness: {in_flight} steps emitted but not trained (max_steps_ahead={k})"
-        return self.intake.has_room()
+        room, why = self.intake.has_room()
+        return admit_new_rollouts(steps_in_flight=self._next_step - self._steps_trained,
+                                  max_steps_ahead=self.config.max_steps_ahead, buffer_has_room=room, buffer_reason=why)
 
-    def _after_ingest(self, out) -> None:
+    def _after_ingest(self, out: IngestOutcome) -> None:
         self._accepted += out.accepted
         self._rejected += len(out.rejections)
         self._rollouts_seen += len(out.completed)
@@ -305,46 +366,202 @@ class SchedulerActor(EmissionMixin):
                              len(out.rejections), first.rollout_id, first.rule, first.message)
         self._refresh_gauges()
         if out.completed:
-            self._cond.notify_all()
+            self._changed.notify()
 
-    def _wake_all(self) -> None:
-        """Under the lock: wake every waiter, pulls included (a step was published, the stream ended)."""
-        self._cond.notify_all()
-        self._published.notify_all()
+    def _consume(self, dataset, loop: asyncio.AbstractEventLoop, end_input_when_done: bool) -> None:
+        """A thread: reads the stream, hands each row to the event loop (the state's only owner)."""
+        try:
+            for row in dataset.iter_rows():
+                asyncio.run_coroutine_threadsafe(self._ingest_row(dict(row)), loop).result()
+        except Exception as e:  # noqa: BLE001 - the stream's failure is reported, the scheduler lives on
+            self.log.error("%s: dataset stream failed: %r", self.name, e)
+            loop.call_soon_threadsafe(self._record_dataset_error, repr(e))
+        finally:
+            asyncio.run_coroutine_threadsafe(self._dataset_done(end_input_when_done), loop)
+
+    async def _ingest_row(self, row: dict) -> None:
+        while True:  # a dataset is never deferred: it waits for room
+            accept_new, _ = self._admission()
+            out = self.intake.ingest([row], now=time.monotonic(), accept_new=accept_new)
+            self._after_ingest(out)
+            if not out.deferred or self._failure is not None:
+                return
+            await self._changed.wait(0.5)
+
+    def _record_dataset_error(self, error: str) -> None:
+        if len(self._dataset_errors) < MAX_DATASET_ERRORS:
+            self._dataset_errors.append(error)
+
+    async def _dataset_done(self, end_input_when_done: bool) -> None:
+        self._active_datasets -= 1
+        if end_input_when_done:
+            self._input_closed = True
+            self._request_flush("end_of_input", end_of_input=True)
+        self._changed.notify()
+
+    # -- internals: the emitter ------------------------------------------------------------
+    def _view(self, now: float) -> SchedulerView:
+        oldest = self.intake.oldest_ready_at()
+        return SchedulerView(
+            registered=self._parallel is not None, num_ready=self.intake.num_ready,
+            global_batch_size=self.config.batch.global_batch_size, leftover=self.config.batch.leftover,
+            flush_requests=tuple(f.request for f in self._flushes), active_datasets=self._active_datasets,
+            oldest_ready_age_s=None if oldest is None else now - oldest, max_wait_s=self.config.max_wait_s,
+        )
+
+    async def _emit_loop(self) -> None:
+        try:
+            while True:
+                action = next_action(self._view(time.monotonic()))
+                if isinstance(action, WaitFor):
+                    await self._changed.wait(action.timeout_s)
+                elif isinstance(action, EmitFullStep):
+                    rollouts = self.intake.take_oldest(self.config.batch.global_batch_size)
+                    await self._emit(rollouts, "full", triggered_at=rollouts[-1].ready_at)
+                elif isinstance(action, RunFlush):
+                    pending = self._flushes[action.index]
+                    del self._flushes[action.index]
+                    await self._run_flush(pending)
+                elif isinstance(action, MaxWaitFlush):
+                    await self._run_flush(_PendingFlush(FlushRequest("max_wait", False), time.monotonic()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - fail loudly and for good, never spin or hang
+            self._failure = f"{type(e).__name__}: {e}"
+            self.log.exception("%s: scheduler failed; every later call raises: %s", self.name, self._failure)
+            for pending in self._flushes:
+                pending.error = self._failure
+                pending.done.set()
+            self._flushes.clear()
+            self._published.notify()
+            self._changed.notify()
+
+    async def _run_flush(self, pending: _PendingFlush) -> None:
+        request, steps, dropped = pending.request, [], []
+        try:
+            gbs = self.config.batch.global_batch_size
+            while self._parallel is not None and self.intake.num_ready >= gbs:
+                rollouts = self.intake.take_oldest(gbs)
+                steps.append(await self._emit(rollouts, "full", triggered_at=rollouts[-1].ready_at))
+            action = leftover_action(self.config.batch.leftover, end_of_input=request.end_of_input)
+            leftover = self.intake.take_oldest(self.intake.num_ready) if action != "keep" else []
+            if leftover and action == "drop":
+                ids = [r.rollout_id for r in leftover]
+                self._drop(ids, leftover_drop_reason(self.config.batch.leftover))
+                dropped += ids
+            elif leftover:
+                steps.append(await self._emit(leftover, request.trigger, triggered_at=pending.created_at))
+            if request.end_of_input:
+                for rid, reason, detail in self.intake.close_incomplete():
+                    self.ledger.drop(rid, reason)
+                    self.metrics.on_drop(reason)
+                    self._incomplete.append((rid, reason, detail))
+                    dropped.append(rid)
+                    self.log.warning("%s: rollout %r not trained at end of input: %s (%s)", self.name, rid, reason, detail)
+                self._ended = True
+                self._published.notify()
+            pending.result = FlushResult(steps=tuple(steps), dropped=tuple(dropped), kept=self.intake.num_ready)
+        except Exception as e:
+            pending.error = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            pending.done.set()
+            self._refresh_gauges()
+
+    def _drop(self, rollout_ids, reason: str) -> None:
+        for rid in rollout_ids:
+            self.ledger.drop(rid, reason)
+        self.intake.settle(rollout_ids)
+        self.metrics.on_drop(reason, len(rollout_ids))
+        if rollout_ids:
+            self.log.info("%s: dropped %d rollouts (%s)", self.name, len(rollout_ids), reason)
+
+    async def _emit(self, rollouts: list[ReadyRollout], trigger: str, *, triggered_at: float) -> int:
+        """Lay out and put the shards on the layout thread, then publish on the loop. Returns the step."""
+        step = self._next_step
+        try:
+            planned, refs = await asyncio.get_running_loop().run_in_executor(
+                self._layout_thread, self._plan_and_put, rollouts, step, self._parallel, self._advertise_layout,
+                self._rollouts_seen)
+        except BaseException:
+            self.intake.return_front(rollouts)  # nothing of the step happened: the rollouts stay buffered
+            raise
+        published = time.monotonic()
+        ids = tuple(r.rollout_id for r in rollouts)
+        waits = [published - r.completed_at for r in rollouts]
+        record = StepRecord(
+            step=step, num_rollouts=len(ids), num_samples=planned.num_samples, num_tokens=planned.num_tokens,
+            microbatches_per_rank=tuple(s.num_microbatches for s in planned.shards),
+            padding_microbatches=planned.num_padding_microbatches,
+            samples_per_rank=tuple(s.num_samples for s in planned.shards),
+            tokens_per_rank=tuple(s.num_tokens for s in planned.shards),
+            layout="rollout_side" if planned.decision.rollout_side else "legacy",
+            decision_reason=planned.decision.reason, trigger=trigger,
+            partial=len(ids) < self.config.batch.global_batch_size,
+            mean_completion_to_emission_s=sum(waits) / len(waits), max_completion_to_emission_s=max(waits),
+            scheduling_latency_s=published - max(triggered_at, max(r.ready_at for r in rollouts)),
+            rollout_ids=ids,
+        )
+        self.ledger.schedule(ids, step)
+        self.intake.settle(ids)
+        self._slots[step] = _StepSlot(refs=refs, num_rollouts=len(ids))
+        self._records[step] = record
+        while len(self._records) > self.config.step_record_window:
+            self._records.popitem(last=False)
+        self._next_step += 1
+        self._partial_steps += record.partial
+        self._padded_steps += record.padding_microbatches > 0
+        self.metrics.on_step(record)
+        self._refresh_gauges()
+        self._published.notify()
+        if record.layout != self._last_decision:
+            self._last_decision = record.layout
+            self.log.info("%s: scheduling decision: %s (%s)", self.name, record.layout, record.decision_reason)
+        self.log.info("%s step %d: %d rollouts, %d samples, %s micro-batches/rank (%d padding), %d tokens, %s, "
+                      "latency %.1f ms", self.name, step, record.num_rollouts, record.num_samples,
+                      record.microbatches_per_rank[0], record.padding_microbatches, record.num_tokens, trigger,
+                      record.scheduling_latency_s * 1e3)
+        return step
+
+    def _plan_and_put(self, rollouts, step: int, parallel: ParallelConfig, advertise_layout: bool,
+                      rollouts_seen: int) -> tuple[PlannedStep, list]:
+        """The layout thread: pure planning, then one object per rank (owned by this actor)."""
+        planned = plan_step(rollouts, step=step, parallel=parallel, batch=self.config.batch,
+                            advertise_layout=advertise_layout, num_rollouts_seen=rollouts_seen,
+                            features=self.config.features)
+        return planned, [ray.put(shard) for shard in planned.shards]
+
+    # -- internals: flush requests and failure ---------------------------------------------
+    def _request_flush(self, trigger: str, *, end_of_input: bool) -> _PendingFlush:
+        pending = _PendingFlush(FlushRequest(trigger, end_of_input), time.monotonic())
+        self._flushes.append(pending)
+        self._changed.notify()
+        return pending
+
+    async def _await_flush(self, pending: _PendingFlush, timeout_s: float) -> FlushResult:
+        self._raise_if_failed()
+        try:
+            await asyncio.wait_for(pending.done.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            raise SchedulerTimeoutError(
+                f"{pending.request.trigger} not done after {timeout_s} s: train group registered: "
+                f"{self._parallel is not None}, datasets still running: {self._active_datasets}") from None
+        if pending.error is not None:
+            raise SchedulerStateError(f"{pending.request.trigger} failed in the scheduler: {pending.error}")
+        return pending.result
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise SchedulerStateError(f"scheduler {self.name!r} failed: {self._failure}")
 
     def _refresh_gauges(self) -> None:
         self.metrics.on_buffer(self.intake.num_buffered_rollouts, self.intake.buffered_samples,
                                self._next_step - self._steps_trained)
 
-    def _consume(self, dataset, end_input_when_done: bool, flush_when_done: bool) -> None:
-        try:
-            for row in dataset.iter_rows():
-                with self._cond:
-                    while True:  # a dataset is never deferred: it waits for room (Ray Data backs off upstream)
-                        accept_new, _ = self._admission()
-                        out = self.intake.ingest([dict(row)], now=time.monotonic(), accept_new=accept_new)
-                        self._after_ingest(out)
-                        if not out.deferred or self._stop:
-                            break
-                        self._cond.wait(0.5)
-        except Exception as e:  # noqa: BLE001 - the stream's failure is reported, the scheduler lives on
-            self.log.error("%s: dataset stream failed: %r", self.name, e)
-            with self._cond:
-                self._dataset_errors.append(repr(e))
-        finally:
-            with self._cond:
-                self._active_datasets -= 1
-                self._cond.notify_all()
-            if end_input_when_done:
-                with self._cond:
-                    self._input_closed = True
-                self._enqueue("end_of_input", end_of_input=True)
-            elif flush_when_done:
-                self._enqueue("end_of_dataset", end_of_input=False)
 
 def create_scheduler(config: SchedulerConfig, name: str = DEFAULT_NAME, *, namespace: str | None = None,
                      lifetime: str | None = None):
-    """Start the SchedulerActor as a named Ray actor (num_cpus=0, threaded) and return its handle.
+    """Start the SchedulerActor as a named asyncio Ray actor (num_cpus=0) and return its handle.
 
     Producers find it with `ray.get_actor(name)`. Raises ValueError if the name is taken.
     """

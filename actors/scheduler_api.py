@@ -11,11 +11,10 @@ from typing import Hashable
 
 import ray
 
-from vgbs_ray.advantages import DEFAULT_EPS
 from vgbs_ray.config import BatchConfig
 from vgbs_ray.errors import ConfigError
-from vgbs_ray.intake import IntakeConfig, Rejection
-from vgbs_ray.ledger import LedgerSummary
+from vgbs_ray.intake import IntakeConfig
+from vgbs_ray.ledger import LedgerSummary, Rejection
 
 __all__ = [
     "FlushResult", "Rejection", "SchedulerConfig", "SchedulerStats", "ShardRef", "StepRecord", "SubmitResult",
@@ -26,24 +25,22 @@ __all__ = [
 class SchedulerConfig:
     batch: BatchConfig
     """gbs in rollouts, token cap or micro-batch size, balance, leftover policy."""
-    max_buffered_samples: int | None = None
-    """Backpressure: new rollouts are deferred while this many samples are buffered. None = unbounded."""
-    max_buffered_tokens: int | None = None
-    """Backpressure: new rollouts are deferred while this many tokens are buffered. None = unbounded."""
+    intake: IntakeConfig = IntakeConfig()
+    """Validation limits (vocabulary, sequence length, push size), buffer bounds, group advantages."""
     max_steps_ahead: int | None = None
     """Bounded staleness K: new rollouts are deferred while more than K steps are emitted but not trained."""
     max_wait_s: float | None = None
     """Flush (per leftover policy) when the oldest ready rollout waited this long; None = never.
     Has no effect with leftover="carry"."""
-    drop_uniform_groups: bool = False
-    """Drop a GRPO group whose rollouts all have the same reward (recorded "uniform_group_reward")."""
-    advantage_eps: float = DEFAULT_EPS
     features: tuple[str, ...] = ()
     """Features in use; one needing train-side ordering ("multi_adapter", "multimodal") forces the legacy path."""
     retry_after_s: float = 0.05
     """The wait a deferred producer is told to sleep before resubmitting."""
-    max_concurrency: int = 64
-    """Threads serving actor calls at once (blocked get_shard / submit calls each hold one)."""
+    max_concurrency: int = 4096
+    """Calls the asyncio actor serves at once: every rank (TP and PP peers too) parks one get_shard,
+    every producer one submit; size it above world_size + producers. A parked call costs no thread."""
+    step_record_window: int = 100
+    """Step records kept whole (the newest); older steps live on as totals in SchedulerStats."""
 
     def __post_init__(self):
         if not isinstance(self.batch, BatchConfig):
@@ -54,17 +51,12 @@ class SchedulerConfig:
             raise ConfigError(f"SchedulerConfig.max_wait_s must be > 0 or None, got {self.max_wait_s}")
         if self.retry_after_s < 0:
             raise ConfigError(f"SchedulerConfig.retry_after_s must be >= 0, got {self.retry_after_s}")
+        if not isinstance(self.intake, IntakeConfig):
+            raise ConfigError(f"SchedulerConfig.intake must be an IntakeConfig, got {type(self.intake).__name__}")
         if self.max_concurrency < 4:
             raise ConfigError(f"SchedulerConfig.max_concurrency must be >= 4 (pulls, pushes, stats at once), got {self.max_concurrency}")
-        self.intake_config()  # validates the buffer bounds
-
-    def intake_config(self) -> IntakeConfig:
-        return IntakeConfig(
-            max_buffered_samples=self.max_buffered_samples,
-            max_buffered_tokens=self.max_buffered_tokens,
-            advantage_eps=self.advantage_eps,
-            drop_uniform_groups=self.drop_uniform_groups,
-        )
+        if self.step_record_window < 1:
+            raise ConfigError(f"SchedulerConfig.step_record_window must be >= 1, got {self.step_record_window}")
 
 
 @dataclass(frozen=True)
@@ -105,8 +97,6 @@ class ShardRef:
     rank: int
     ref: ray.ObjectRef
     num_rollouts: int
-    num_samples: int
-    has_layout: bool
 
 
 @dataclass(frozen=True)
@@ -117,13 +107,16 @@ class StepRecord:
     num_tokens: int
     microbatches_per_rank: tuple[int | None, ...]
     """Micro-batches each rank runs (all equal on the layout path; None on the legacy path)."""
+    padding_microbatches: int
+    """Empty micro-batches over all ranks: the step had fewer samples than the alignment needs
+    (on the legacy path: ranks without a sample). They carry no weight; 0 for most steps."""
     samples_per_rank: tuple[int, ...]
     tokens_per_rank: tuple[int, ...]
     layout: str
     """"rollout_side" or "legacy"."""
     decision_reason: str
     trigger: str
-    """"full", "flush", "max_wait", "end_of_dataset" or "end_of_input"."""
+    """"full", "flush", "max_wait" or "end_of_input"."""
     partial: bool
     mean_completion_to_emission_s: float
     max_completion_to_emission_s: float
@@ -132,13 +125,13 @@ class StepRecord:
     rollout_ids: tuple = ()
     trained: bool = False
     metrics: dict[str, tuple[float, float]] | None = None
-    """(sum, count) pairs reduced over every rank's ack."""
+    """(sum, count) pairs reduced over every DP rank's ack, once the step is trained."""
 
 
 @dataclass(frozen=True)
 class FlushResult:
     steps: tuple[int, ...]
-    """Steps emitted by this flush (full ones first, then at most one partial)."""
+    """Steps this flush emitted: full steps still formable when it ran, then at most one partial."""
     dropped: tuple = ()
     """Rollout ids dropped by this flush (leftover policy, too small, incomplete at end of input)."""
     kept: int = 0
@@ -156,14 +149,20 @@ class SchedulerStats:
     ready_rollouts: int
     steps_emitted: int
     steps_trained: int
+    partial_steps: int
+    padded_steps: int
     input_closed: bool
     ended: bool
-    steps: tuple[StepRecord, ...]
+    recent_steps: tuple[StepRecord, ...]
+    """The newest `step_record_window` step records (`step_record(k)` reads one by number)."""
     ledger: LedgerSummary
     incomplete_rollouts: tuple[tuple[Hashable, str, str], ...] = ()
     """(rollout_id, reason, detail) of every rollout closed unfinished at end of input."""
     rejections: tuple[Rejection, ...] = ()
+    """The latest rejections (bounded; counts by rule are in ledger.rejected_samples_by_rule)."""
     dataset_errors: tuple[str, ...] = ()
+    failure: str | None = None
+    """Set when the scheduler hit an internal error: every later call raises it."""
     rollout_states: dict | None = field(default=None)
     """rollout_id -> (state, step, reason); only when stats(include_rollouts=True)."""
 

@@ -13,7 +13,7 @@ so a wrong config fails at start-up, before any actor exists.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from actors.producers import ProducerConfig
 from actors.scheduler_api import SchedulerConfig
@@ -21,6 +21,7 @@ from actors.train_config import TrainGroupConfig
 from jobs.config_loader import apply_overrides, config_from_mapping, describe, load_yaml
 from vgbs_ray.config import BatchConfig, check_schedule_configs
 from vgbs_ray.errors import ConfigError
+from vgbs_ray.intake import IntakeConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +54,7 @@ class RunConfig:
 
 def _default_scheduler() -> SchedulerConfig:
     batch = BatchConfig(global_batch_size=8, max_tokens_per_gpu=512, balance="tokens", leftover="partial")
-    return SchedulerConfig(batch=batch, max_buffered_samples=256, drop_uniform_groups=True)
+    return SchedulerConfig(batch=batch, intake=IntakeConfig(max_buffered_samples=256, drop_uniform_groups=True))
 
 
 def _default_train() -> TrainGroupConfig:
@@ -79,6 +80,23 @@ class JobConfig:
             raise ConfigError(
                 f"producers.rollouts.vocab_size={rollouts.vocab_size} must equal train.model.vocab_size={model.vocab_size}"
             )
+        intake = self.scheduler.intake
+        if intake.vocab_size is not None and intake.vocab_size != model.vocab_size:
+            raise ConfigError(f"scheduler.intake.vocab_size={intake.vocab_size} must equal train.model.vocab_size="
+                              f"{model.vocab_size} (or leave it out: the job fills it in from the model)")
+        if intake.max_sequence_length is not None and intake.max_sequence_length > model.max_position_embeddings:
+            raise ConfigError(f"scheduler.intake.max_sequence_length={intake.max_sequence_length} exceeds "
+                              f"train.model.max_position_embeddings={model.max_position_embeddings}")
+
+    def scheduler_with_model_limits(self) -> SchedulerConfig:
+        """The scheduler's config with the model's vocabulary and sequence limit filled in where unset,
+        so the scheduler rejects a sample the model could not take (token_range, sequence_length)."""
+        intake, model = self.scheduler.intake, self.train.model
+        return replace(self.scheduler, intake=replace(
+            intake,
+            vocab_size=intake.vocab_size if intake.vocab_size is not None else model.vocab_size,
+            max_sequence_length=(intake.max_sequence_length if intake.max_sequence_length is not None
+                                 else model.max_position_embeddings)))
 
 
 def load_job_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:

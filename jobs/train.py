@@ -107,7 +107,7 @@ def train(config: JobConfig, records_path: str) -> dict:
     """Run the job on an initialised Ray; returns the summary."""
     out = config.run.output_dir
     resume_from = latest_checkpoint(out) if config.run.resume else None
-    scheduler = create_scheduler(config.scheduler)
+    scheduler = create_scheduler(config.scheduler_with_model_limits())
     group = None
     try:
         group = TrainGroup(config.train)
@@ -154,7 +154,7 @@ def run_steps(config: JobConfig, group: TrainGroup, scheduler, recorder: StepRec
         if result is None:
             print(f"input ended after {len(trained)} steps", flush=True)
             break
-        record = next(r for r in ray.get(scheduler.stats.remote(), timeout=60).steps if r.step == scheduler_step)
+        record = ray.get(scheduler.step_record.remote(scheduler_step), timeout=60)
         line = dataclasses.replace(step_line(result, record), step=first_step + scheduler_step)
         print(line.text(), flush=True)
         recorder.write(line)

@@ -7,9 +7,9 @@ import random
 import numpy as np
 import pytest
 
+from tests.bad_inputs import BAD_INPUTS, CORPUS_LIMITS
 from tests.rollout_factory import rollout_rows, sample_row
 from vgbs_ray.config import BatchConfig, ParallelConfig
-from vgbs_ray.errors import ScheduleError
 from vgbs_ray.intake import IntakeConfig, RolloutIntake
 from vgbs_ray.ledger import Ledger, RolloutState
 from vgbs_ray.stepping import leftover_action, plan_step
@@ -44,32 +44,36 @@ def test_whole_call_rollout_without_rollout_size():
     assert [r.rule for r in out.rejections] == ["already_complete"]
 
 
-BAD_CASES = {
-    "mask_length": lambda: [sample_row("b", 0, size=1, loss_mask=np.ones(2, dtype=np.int8))],
-    "mask_values": lambda: [sample_row("b", 0, size=1, loss_mask=np.full(6, 2, dtype=np.int8))],
-    "empty_tokens": lambda: [sample_row("b", 0, size=1, tokens=np.zeros(0, dtype=np.int64), response_length=0,
-                                        loss_mask=np.zeros(0, dtype=np.int8))],
-    "response_length": lambda: [sample_row("b", 0, size=1, response_length=99, loss_mask=np.ones(99, dtype=np.int8))],
-    "missing_field": lambda: [{"rollout_id": "b", "tokens": [1, 2]}],
-    "rollout_size": lambda: [sample_row("b", 4, size=2)],
-    "group": lambda: [sample_row("b", 0, size=1, group_id="g")],
-    "missing_advantage": lambda: [sample_row("b", 0, size=1, advantage=None)],
-    "duplicate_sample": lambda: rollout_rows("b", 2, with_size=False)[:1] * 2,
-    "sibling_reward": lambda: [sample_row("b", 0, size=None), sample_row("b", 1, size=None, reward=0.0)],
-    "sibling_advantage": lambda: [sample_row("b", 0, size=None), sample_row("b", 1, size=None, advantage=None)],
-}
-
-
-@pytest.mark.parametrize("rule", sorted(BAD_CASES))
-def test_each_bad_input_is_rejected_naming_rollout_and_rule(rule):
-    intake = make()
+def corpus_intake() -> RolloutIntake:
+    """An intake with the corpus limits where rollout "trained" was trained and "dropped" dropped."""
+    intake = make(drop_uniform_groups=True, **CORPUS_LIMITS)
+    intake.ingest([sample_row("trained", 0, size=2), sample_row("trained", 1, size=2)], now=0)
+    [ready] = intake.take_oldest(1)
+    intake.ledger.schedule(["trained"], 0)
+    intake.settle(["trained"])
+    intake.ledger.train_step(0)
+    intake.ingest([sample_row("dropped", 0, size=2, advantage=None, group=("dropped-group", 1)),
+                   sample_row("dropped", 1, size=2, advantage=None, group=("dropped-group", 1))], now=0)
+    assert intake.ledger.state("dropped") is RolloutState.DROPPED
     intake.ingest(rollout_rows("good", 2), now=0)
-    out = intake.ingest(BAD_CASES[rule](), now=1)
-    assert out.accepted == 0 and out.rejections and {r.rule for r in out.rejections} == {rule}
-    err = out.rejections[0].error()
-    assert "'b'" in str(err) and rule in str(err)
-    assert intake.ledger.state("b") is RolloutState.REJECTED
+    return intake
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_each_bad_input_is_rejected_naming_rollout_and_rule(name):
+    case = BAD_INPUTS[name]
+    intake = corpus_intake()
+    rows = case.rows()
+    out = intake.ingest(rows, now=1)
+    assert out.accepted == case.accepted and len(out.rejections) == len(rows) - case.accepted
+    assert {r.rule for r in out.rejections} == {case.rule}, out.rejections
+    err = out.rejections[-1].error()
+    assert case.rule in str(err)
+    if isinstance(rows[-1], dict):
+        assert repr(rows[-1]["rollout_id"]) in str(err)  # the error names the offending rollout
+    assert intake.ledger.summary().rejected_samples_by_rule == {case.rule: len(rows) - case.accepted}
     assert [r.rollout_id for r in intake.take_oldest(5)] == ["good"]  # nothing accepted was disturbed
+    intake.ledger.check()
 
 
 def test_sibling_disagreement_keeps_the_accepted_samples():
@@ -174,8 +178,13 @@ def test_plan_step_layout_and_legacy():
     assert not legacy.decision.rollout_side and all(not s.has_layout for s in legacy.shards)
     partial = plan_step(_ready(1), step=1, parallel=parallel, batch=batch, num_rollouts_seen=5)
     assert partial.decision.rollout_side and partial.shards[0].num_rollouts == 1  # stream had a full step
-    with pytest.raises(ScheduleError, match="fewer than the 2 needed"):
-        plan_step(_ready(1, samples_each=1), step=1, parallel=parallel, batch=batch, num_rollouts_seen=5)
+    assert partial.num_padding_microbatches == 0
+    lone = plan_step(_ready(1, samples_each=1), step=1, parallel=parallel, batch=batch, num_rollouts_seen=5)
+    assert lone.num_padding_microbatches == 1 and sorted(s.num_samples for s in lone.shards) == [0, 1]
+    assert all(s.num_microbatches == 1 for s in lone.shards)  # the empty rank still runs one (empty) micro-batch
+    lone_legacy = plan_step(_ready(1, samples_each=1), step=1, parallel=parallel, batch=batch, num_rollouts_seen=5,
+                            advertise_layout=False)
+    assert lone_legacy.num_padding_microbatches == 1
 
 
 def test_leftover_action():

@@ -1,10 +1,13 @@
-"""The rollout ledger: legal transitions only, and its invariants."""
+"""The rollout ledger: legal transitions only, its invariants, and memory that stays bounded."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from vgbs_ray.ledger import Ledger, LedgerError, RolloutState
+from vgbs_ray.ledger import Ledger, LedgerError, Rejection, RolloutState
+from vgbs_ray.settled_ids import SettledIds, decode_id, encode_id
 
 
 def test_lifecycle_and_summary():
@@ -14,30 +17,31 @@ def test_lifecycle_and_summary():
     ledger.accept_sample("a")
     ledger.schedule(["a", "b"], 0)
     ledger.drop("c", "leftover")
-    ledger.reject("x", "mask_length", "bad mask", 0)
-    ledger.reject("a", "duplicate_sample", "again", 1)  # an event only: a stays scheduled
-    assert ledger.state("a") is RolloutState.SCHEDULED and ledger.get("a").num_samples == 2
+    ledger.reject(Rejection("x", 0, "mask_length", "bad mask"))
+    ledger.reject(Rejection("a", 1, "duplicate_sample", "again"))  # an event only: a stays scheduled
+    assert ledger.state("a") is RolloutState.SCHEDULED and ledger.state("x") is None
     assert ledger.train_step(0) == ("a", "b")
     ledger.check()
     summary = ledger.summary()
-    assert summary.rollouts_by_state == {"buffered": 1, "scheduled": 0, "trained": 2, "dropped": 1, "rejected": 1}
-    assert summary.dropped_by_reason == {"leftover": 1}
-    assert summary.rejected_rollouts_by_rule == {"mask_length": 1}
+    assert summary.rollouts_by_state == {"buffered": 1, "scheduled": 0, "trained": 2, "dropped": 1}
+    assert summary.dropped_by_reason == {"leftover": 1} and summary.num_rollouts_accepted == 4
     assert summary.rejected_samples_by_rule == {"mask_length": 1, "duplicate_sample": 1}
+    assert ledger.get("a").step == 0 and ledger.get("c").reason == "leftover"
+    assert dict(ledger.entries()) == {
+        "a": ledger.get("a"), "b": ledger.get("b"), "c": ledger.get("c"), "d": ledger.get("d")}
 
 
-def test_rejected_rollout_may_be_accepted_after_a_corrected_sample():
-    ledger = Ledger()
-    ledger.reject("r", "mask_length", "bad", 0)
-    ledger.accept_sample("r")
-    assert ledger.state("r") is RolloutState.BUFFERED
-    ledger.reject("r", "duplicate_sample", "again", 0)
-    assert ledger.state("r") is RolloutState.BUFFERED  # never back to rejected once accepted
-    ledger.check()
+def test_recent_rejections_are_bounded_and_counts_exact():
+    ledger = Ledger(recent_rejections_limit=3)
+    for i in range(10):
+        ledger.reject(Rejection(f"r{i}", 0, "empty_tokens", "no tokens"))
+    assert [r.rollout_id for r in ledger.recent_rejections] == ["r7", "r8", "r9"]
+    assert ledger.summary().rejected_samples_by_rule == {"empty_tokens": 10}
 
 
-@pytest.mark.parametrize("illegal", ["train_twice", "schedule_twice", "step_reused", "drop_scheduled", "accept_trained"])
-def test_illegal_transitions_raise(illegal):
+@pytest.mark.parametrize("illegal", ["train_twice", "schedule_twice", "step_reused", "drop_scheduled", "accept_trained",
+                                     "drop_dropped", "schedule_unknown"])
+def test_illegal_transitions_raise_and_change_nothing(illegal):
     ledger = Ledger()
     ledger.accept_sample("a")
     ledger.accept_sample("b")
@@ -47,20 +51,71 @@ def test_illegal_transitions_raise(illegal):
             ledger.train_step(0)
             ledger.train_step(0)
         elif illegal == "schedule_twice":
-            ledger.schedule(["a"], 1)
+            ledger.schedule(["b", "a"], 1)
         elif illegal == "step_reused":
             ledger.schedule(["b"], 0)
         elif illegal == "drop_scheduled":
             ledger.drop("a", "leftover")
-        else:
+        elif illegal == "accept_trained":
             ledger.train_step(0)
             ledger.accept_sample("a")
+        elif illegal == "drop_dropped":
+            ledger.drop("b", "leftover")
+            ledger.drop("b", "leftover")
+        else:
+            ledger.schedule(["zzz"], 1)
     ledger.check()  # a refused transition changed nothing
+    assert ledger.state("b") in (RolloutState.BUFFERED, RolloutState.DROPPED)
 
 
 def test_check_catches_a_disappeared_rollout():
     ledger = Ledger()
     ledger.accept_sample("a")
-    del ledger._entries["a"]  # simulate a bug
-    with pytest.raises(LedgerError, match="disappeared"):
+    del ledger._live["a"]  # simulate a bug
+    with pytest.raises(LedgerError, match="disagree|disappeared"):
         ledger.check()
+
+
+@pytest.mark.parametrize("value", ["r-1", "", "ünï", 0, -7, 2**70, ("p", 3), b"raw", 1.5])
+def test_id_encoding_round_trips(value):
+    assert decode_id(encode_id(value)) == value
+
+
+def test_settled_ids_are_exact_across_merges_and_collisions(monkeypatch):
+    import vgbs_ray.settled_ids as module
+
+    monkeypatch.setattr(module, "MERGE_EVERY", 7)  # many merges on a small table
+    table = SettledIds()
+    for i in range(100):
+        table.add(f"r{i}", step=i // 10) if i % 3 else table.add(i, reason=f"why{i % 2}")
+    for i in range(100):
+        expected = ("trained", i // 10, None) if i % 3 else ("dropped", None, f"why{i % 2}")
+        assert table.get(f"r{i}" if i % 3 else i) == expected
+    assert table.get("r0") is None and table.get(1) is None and table.get("0") is None  # types are part of the id
+    with pytest.raises(KeyError):
+        table.add("r1", step=0)
+    assert [rid for rid, _ in table][:3] == [0, "r1", "r2"]
+    # Force every id onto one hash: exactness comes from the byte comparison, not the hash.
+    monkeypatch.setattr(module, "hash", lambda data: 42, raising=False)
+    colliding = SettledIds()
+    for i in range(20):
+        colliding.add(f"c{i}", step=i)
+    assert [colliding.get(f"c{i}") for i in range(20)] == [("trained", i, None) for i in range(20)]
+    assert colliding.get("c20") is None
+
+
+def test_settled_ledger_grows_a_few_tens_of_bytes_per_rollout():
+    """100k rollouts trained through the ledger: its settled table costs < 64 bytes each."""
+    ledger = Ledger()
+    n, gbs = 100_000, 500
+    for step in range(n // gbs):
+        ids = [f"prompt-{step}/rollout-{i}" for i in range(gbs)]
+        for rid in ids:
+            ledger.accept_sample(rid)
+        ledger.schedule(ids, step)
+        ledger.train_step(step)
+    assert ledger.summary().rollouts_by_state["trained"] == n and not ledger._live
+    per_rollout = ledger.settled_nbytes() / n
+    assert per_rollout < 64, per_rollout
+    assert ledger.get("prompt-7/rollout-3").step == 7 and ledger.get("prompt-7/rollout-500") is None
+    assert sys.getsizeof(ledger._live) < 50_000  # bounded by the live (in-flight) rollouts, not the run

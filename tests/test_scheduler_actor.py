@@ -16,6 +16,7 @@ from actors.scheduler_actor import SchedulerConfig, ShardRef, SubmitResult, crea
 from tests.rollout_factory import many_rollouts, rollout_rows, sample_row
 from tests.scheduler_harness import call, drain, rollouts_of
 from vgbs_ray.config import BatchConfig, ParallelConfig
+from vgbs_ray.intake import IntakeConfig
 from vgbs_ray.errors import (
     ConfigError, RolloutValidationError, SchedulerStateError, SchedulerTimeoutError, VgbsError,
 )
@@ -27,7 +28,8 @@ def scheduler_factory(ray_session):
 
     def make(name: str, **cfg):
         batch = cfg.pop("batch")
-        handle = create_scheduler(SchedulerConfig(batch=batch, **cfg), name=name)
+        intake = IntakeConfig(**{k: cfg.pop(k) for k in list(cfg) if k in IntakeConfig.__dataclass_fields__})
+        handle = create_scheduler(SchedulerConfig(batch=batch, intake=intake, **cfg), name=name)
         made.append(handle)
         return handle
 
@@ -51,16 +53,16 @@ def push_shuffled(scheduler, rollouts: list[list[dict]], *, seed: int, chunk: in
     return completed
 
 
-def assert_ledger_closed(stats, pushed_ids: set, *, trained: int, dropped: int = 0, rejected: int = 0):
+def assert_ledger_closed(stats, pushed_ids: set, *, trained: int, dropped: int = 0):
     """Every accepted rollout in exactly one state; none trained twice; none disappeared."""
     states = stats.rollout_states
     assert pushed_ids <= set(states), f"rollouts vanished: {pushed_ids - set(states)}"
     by_state = stats.ledger.rollouts_by_state
-    assert by_state["trained"] == trained and by_state["dropped"] == dropped and by_state["rejected"] == rejected
+    assert by_state["trained"] == trained and by_state["dropped"] == dropped
     assert by_state["buffered"] == 0 and by_state["scheduled"] == 0
-    trained_ids = [rid for step in stats.steps for rid in step.rollout_ids]
+    trained_ids = [rid for step in stats.recent_steps for rid in step.rollout_ids]
     assert len(trained_ids) == len(set(trained_ids)) == trained  # none in two steps
-    for step in stats.steps:
+    for step in stats.recent_steps:
         for rid in step.rollout_ids:
             assert states[rid] == ("trained", step.step, None)
 
@@ -75,7 +77,7 @@ def test_32_rollouts_gbs_24_partial_emits_24_then_8(scheduler_factory):
     completed = push_shuffled(scheduler, rollouts, seed=2)
     assert sorted(completed) == sorted(f"r{i}" for i in range(32))
     ref = call(scheduler.get_shard, 0, 1, timeout_s=30)  # the full step appears without a flush
-    assert isinstance(ref, ShardRef) and ref.num_rollouts == 24 and ref.has_layout
+    assert isinstance(ref, ShardRef) and ref.num_rollouts == 24
     with pytest.raises(SchedulerTimeoutError, match="step 1, rank 0"):
         call(scheduler.get_shard, 1, 0, timeout_s=0.2)
     result = call(scheduler.end_of_input)
@@ -96,15 +98,15 @@ def test_32_rollouts_gbs_24_partial_emits_24_then_8(scheduler_factory):
     assert set(steps_ids := [rid for rid, k in seen.items() if k == 0]) == set(completed[:24])  # first completed, first trained
     assert len(steps_ids) == 24
     stats = call(scheduler.stats, include_rollouts=True, check_ledger=True)
-    assert [r.num_rollouts for r in stats.steps] == [24, 8] and [r.partial for r in stats.steps] == [False, True]
-    assert stats.steps[1].trigger == "end_of_input" and all(r.trained for r in stats.steps)
-    assert stats.steps[0].metrics["loss"][1] == stats.steps[0].num_samples  # (sum, count) reduced over ranks
-    assert stats.steps[0].scheduling_latency_s >= 0 and stats.steps[0].microbatches_per_rank[0] >= 1
+    assert [r.num_rollouts for r in stats.recent_steps] == [24, 8] and [r.partial for r in stats.recent_steps] == [False, True]
+    assert stats.recent_steps[1].trigger == "end_of_input" and all(r.trained for r in stats.recent_steps)
+    assert stats.recent_steps[0].scheduling_latency_s >= 0 and stats.recent_steps[0].microbatches_per_rank[0] >= 1
+    assert stats.recent_steps[0].metrics["loss"][1] == stats.recent_steps[0].num_samples  # (sum, count) over ranks
     assert_ledger_closed(stats, set(sizes), trained=32)
     with pytest.raises(SchedulerStateError, match="released"):
         call(scheduler.get_shard, 0, 0, timeout_s=1)
-    with pytest.raises(SchedulerStateError, match="acknowledged twice|never emitted"):
-        call(scheduler.ack_step, 0, 0, {})
+    with pytest.raises(SchedulerStateError, match="acknowledged"):
+        call(scheduler.ack_step, 0, 0)
     with pytest.raises(SchedulerStateError, match="end_of_input"):
         call(scheduler.submit, rollout_rows("late", 1))
 
@@ -150,14 +152,16 @@ def test_bad_inputs_are_rejected_and_reported_without_disturbing_accepted(schedu
         call(scheduler.get_shard, 0, 3, timeout_s=1)
     shard = ray.get(ref.ref, timeout=30)
     assert sorted(set(shard.rollout_ids)) == ["ok1", "ok2"]
-    call(scheduler.ack_step, 0, 0, {})
+    call(scheduler.ack_step, 0, 0)
     result = call(scheduler.end_of_input)
     assert result.dropped == ("open",)  # incomplete at end: reported, not trained
     stats = call(scheduler.stats, include_rollouts=True, check_ledger=True)
     assert stats.incomplete_rollouts[0][:2] == ("open", "incomplete_rollout")
-    assert stats.ledger.rejected_rollouts_by_rule == {"mask_length": 1, "missing_advantage": 1}
-    assert stats.ledger.rejected_samples_by_rule["already_scheduled"] == 1 and stats.rejected_samples == 6
-    assert_ledger_closed(stats, {"ok1", "ok2", "open"}, trained=2, dropped=1, rejected=2)
+    assert stats.ledger.rejected_samples_by_rule == {
+        "mask_length": 1, "duplicate_sample": 1, "sibling_reward": 1, "sibling_rollout_size": 1,
+        "missing_advantage": 1, "already_scheduled": 1}
+    assert stats.rejected_samples == 6 and len(stats.rejections) == 6
+    assert_ledger_closed(stats, {"ok1", "ok2", "open"}, trained=2, dropped=1)
     assert call(scheduler.get_shard, 1, 0, timeout_s=5) is None
 
 
@@ -175,7 +179,7 @@ def test_backpressure_staleness_and_blocking_submit(scheduler_factory):
     blocked = scheduler.submit.remote([rows[i] for i in first.deferred], wait_s=20)  # waits for room
     time.sleep(0.3)
     assert ray.wait([blocked], timeout=0)[0] == []
-    call(scheduler.ack_step, 0, 0, {})
+    call(scheduler.ack_step, 0, 0)
     assert ray.get(blocked, timeout=30).accepted == 2
     stats = call(scheduler.stats)
     assert stats.deferred_samples == 4 and stats.accepted_samples == 6
@@ -190,7 +194,7 @@ def test_max_wait_flushes_a_partial_step_and_legacy_path(scheduler_factory):
     shards = [ray.get(r.ref, timeout=30) for r in refs]
     assert [s.num_rollouts for s in shards] == [3, 3] and not any(s.has_layout for s in shards)
     assert sum(s.num_samples for s in shards) == 6
-    record = call(scheduler.stats).steps[0]
+    record = call(scheduler.step_record, 0)
     assert record.trigger == "max_wait" and record.layout == "legacy" and "did not advertise" in record.decision_reason
     assert record.max_completion_to_emission_s >= 0.3
     with pytest.raises(ConfigError, match="dp_size"):
@@ -211,7 +215,7 @@ def test_carry_policy_flush_waits_for_train_group_and_drops_at_end(scheduler_fac
     assert ray.get(flushing, timeout=30).kept == 2  # carried: they wait for the next step
     ref = call(scheduler.get_shard, 0, 0, timeout_s=10)
     assert ref.num_rollouts == 4
-    call(scheduler.ack_step, 0, 0, {})
+    call(scheduler.ack_step, 0, 0)
     result = call(scheduler.end_of_input)
     assert sorted(result.dropped) == ["c4", "c5"]
     stats = call(scheduler.stats, include_rollouts=True, check_ledger=True)

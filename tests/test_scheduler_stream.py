@@ -13,8 +13,9 @@ import ray
 
 from actors.scheduler_actor import SchedulerConfig, create_scheduler
 from tests.rollout_factory import rollout_rows
-from tests.scheduler_harness import Producer, call, drain, rollouts_of, slow_first_blocks
+from tests.scheduler_harness import GATE_NAME, Gate, Producer, call, drain, gated_first_block, rollouts_of
 from vgbs_ray.config import BatchConfig, ParallelConfig
+from vgbs_ray.intake import IntakeConfig
 
 NAME = "sched-stream"
 
@@ -34,13 +35,25 @@ def dataset_rows() -> list[dict]:
 def stream_run(ray_session):
     scheduler = create_scheduler(SchedulerConfig(
         batch=BatchConfig(global_batch_size=8, max_tokens_per_gpu=64, leftover="partial"),
-        max_buffered_samples=24, drop_uniform_groups=True), name=NAME)
+        intake=IntakeConfig(max_buffered_samples=24, drop_uniform_groups=True)), name=NAME)
     call(scheduler.register_train_group, ParallelConfig(dp_size=2))
+    gate = ray.remote(num_cpus=0)(Gate).options(name=GATE_NAME).remote()
     producer = ray.remote(num_cpus=0)(Producer).remote()
     pushed = producer.run.remote(NAME, 14)
     ds = ray.data.from_items(dataset_rows(), override_num_blocks=8).map_batches(
-        slow_first_blocks, batch_size=None, num_cpus=0.5, concurrency=8)  # all blocks in flight at once
+        gated_first_block, batch_size=None, num_cpus=0.5, concurrency=8)  # all blocks in flight at once
+    # Started from inside an actor, Ray Data's per-operator reservation admitted one task at a time
+    # (ResourceBudget), which the gated block would hold forever; without it the cap of 8 applies.
+    ds.context.op_resource_reservation_enabled = False
     call(scheduler.consume_dataset, ds)  # returns at once; rows flow in while the producer pushes
+    # The gate opens once the rows of the groups g*, u* (last in input order) are in: only then
+    # can d0's first sample (the gated first block) arrive, so d0 completes after g*.
+    fast = {f"g{i}" for i in range(4)} | {f"u{i}" for i in range(2)}
+    deadline = time.monotonic() + 600  # a ceiling for a loaded machine, not a timing assumption
+    while not fast <= set((stats := call(scheduler.stats, include_rollouts=True)).rollout_states):
+        assert time.monotonic() < deadline, f"the fast blocks never arrived: {stats}"
+        time.sleep(0.1)
+    ray.get(gate.open.remote(), timeout=30)
     pushed_ids = ray.get(pushed, timeout=120)
     ray.kill(producer)  # shards are owned by the scheduler, not by whoever sent the data
     flush = call(scheduler.end_of_input, timeout=180)
@@ -48,6 +61,7 @@ def stream_run(ray_session):
     stats = call(scheduler.stats, include_rollouts=True, check_ledger=True)
     yield scheduler, pushed_ids, flush, steps, stats
     ray.kill(scheduler)
+    ray.kill(gate)
 
 
 def test_pushes_and_dataset_feed_one_scheduler(stream_run):
@@ -71,7 +85,7 @@ def test_pushes_and_dataset_feed_one_scheduler(stream_run):
 
 def test_dataset_rows_arrive_in_completion_order(stream_run):
     *_, stats = stream_run
-    ready_order = [rid for record in stats.steps for rid in record.rollout_ids if rid[0] in "dg"]
+    ready_order = [rid for record in stats.recent_steps for rid in record.rollout_ids if rid[0] in "dg"]
     # d0..d7's first samples sit in the slow first blocks: their rollouts complete after the grouped
     # rollouts g*, whose rows come last in input order but from fast blocks
     assert ready_order.index("g0") < ready_order.index("d0"), ready_order
@@ -102,5 +116,5 @@ def test_metrics_endpoint_shows_per_step_rollouts(stream_run):
         if found.get("rollouts_scheduled_total") == 26:
             break
         time.sleep(1.0)
-    assert found.get("step_rollouts") == stats.steps[-1].num_rollouts == 2, found
+    assert found.get("step_rollouts") == stats.recent_steps[-1].num_rollouts == 2, found
     assert found.get("rollouts_scheduled_total") == 26, found

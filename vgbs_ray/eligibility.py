@@ -1,8 +1,8 @@
 """Whether the rollout side may precompute the step layout, or the legacy path applies.
 
-Rollout-side scheduling needs the training backend's full parallel config, rollout ids on
-the batch, at least one step's worth of rollouts, and no feature that needs train-side
-ordering. Otherwise the legacy path: an even DP split, micro-batches chosen by each rank
+Rollout-side scheduling needs the training backend's full parallel config, at least one
+step's worth of rollouts, and no feature that needs train-side ordering (rollout ids are
+always there: the data contract requires one on every sample). Otherwise the legacy path: an even DP split, micro-batches chosen by each rank
 with an all-reduce(MAX) of counts. The decision carries its reason so callers can log it.
 """
 
@@ -26,7 +26,6 @@ class SchedulingDecision:
 def decide_scheduling(
     parallel: ParallelConfig | None,
     *,
-    has_rollout_ids: bool,
     num_rollouts: int,
     global_batch_size: int,
     features: Iterable[str] = (),
@@ -34,8 +33,6 @@ def decide_scheduling(
     """Pick rollout-side scheduling or the legacy path, with the reason."""
     if parallel is None:
         return SchedulingDecision(False, "training backend did not advertise its parallel config")
-    if not has_rollout_ids:
-        return SchedulingDecision(False, "batch has no rollout ids")
     if num_rollouts < global_batch_size:
         return SchedulingDecision(
             False, f"only {num_rollouts} rollouts, fewer than one step (global_batch_size={global_batch_size})"

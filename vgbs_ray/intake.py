@@ -10,7 +10,8 @@ distinct `sample_index`es arrived. Samples without `rollout_size` are a whole ro
 the one call that delivers them (a Ray Data row alone is a one-sample rollout).
 
 Validation. A sample is rejected, with the rollout id and the rule, when it breaks the data
-contract (`vgbs_ray.sample`), disagrees with the first accepted sample of its rollout
+contract (`vgbs_ray.sample`, with the model's vocabulary size and maximum sequence length),
+arrives in a push over the size limits (`push_size`), disagrees with the first accepted sample of its rollout
 (reward, rollout_size, group, whether it carries an advantage), repeats a sample_index
 (duplicate_sample), or belongs to a rollout that is already complete, scheduled, trained
 or dropped. A rejection never touches anything already accepted: the rollout stays open
@@ -39,8 +40,11 @@ from typing import Any, Hashable, Sequence
 
 from vgbs_ray.advantages import DEFAULT_EPS, group_advantages, is_uniform_group
 from vgbs_ray.errors import ConfigError, RolloutValidationError
-from vgbs_ray.ledger import Ledger, RolloutState
+from vgbs_ray.ledger import Ledger, Rejection, RolloutState
 from vgbs_ray.sample import Sample, check_sibling, validate_sample
+from vgbs_ray.settled_ids import SettledIds
+
+__all__ = ["IngestOutcome", "IntakeConfig", "ReadyRollout", "Rejection", "RolloutIntake", "UNIFORM_GROUP_REASON"]
 
 UNIFORM_GROUP_REASON = "uniform_group_reward"
 
@@ -55,27 +59,23 @@ class IntakeConfig:
     """eps in (r - mean) / (std + eps) for group advantages."""
     drop_uniform_groups: bool = False
     """Drop a group whose rollouts all have the same reward (no learning signal)."""
+    vocab_size: int | None = None
+    """The model's vocabulary: a token id outside [0, vocab_size) is rejected (token_range). None = unchecked."""
+    max_sequence_length: int | None = None
+    """The model's longest sequence in tokens: a longer sample is rejected (sequence_length). None = unchecked."""
+    max_samples_per_push: int | None = 100_000
+    """A push (one submit call) with more samples is rejected whole (push_size). None = unbounded."""
+    max_tokens_per_push: int | None = 200_000_000
+    """A push with more tokens in all is rejected whole (push_size). None = unbounded."""
 
     def __post_init__(self):
-        for name in ("max_buffered_samples", "max_buffered_tokens"):
+        for name in ("max_buffered_samples", "max_buffered_tokens", "vocab_size", "max_sequence_length",
+                     "max_samples_per_push", "max_tokens_per_push"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"IntakeConfig.{name} must be a positive integer or None, got {value!r}")
         if self.advantage_eps < 0:
             raise ConfigError(f"IntakeConfig.advantage_eps must be >= 0, got {self.advantage_eps}")
-
-
-@dataclass(frozen=True)
-class Rejection:
-    """One rejected sample: which rollout, which sample, which rule, why."""
-
-    rollout_id: Hashable
-    sample_index: int | None
-    rule: str
-    message: str
-
-    def error(self) -> RolloutValidationError:
-        return RolloutValidationError(self.rollout_id, self.rule, self.message, sample_index=self.sample_index)
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ class RolloutIntake:
         self.ledger = ledger
         self._open: dict[Hashable, _Open] = {}
         self._groups: dict[Hashable, _Group] = {}
-        self._closed_groups: set = set()
+        self._closed_groups = SettledIds()   # every group id that had all its rollouts, exactly, compactly
         self._waiting_group: dict[Hashable, Hashable] = {}   # rollout id -> group id
         self._ready: OrderedDict[Hashable, ReadyRollout] = OrderedDict()
         self._taken: set = set()   # taken for a step, not yet settled in the ledger
@@ -169,11 +169,20 @@ class RolloutIntake:
     def ingest(self, rows: Sequence[Sample | dict[str, Any]], *, now: float, accept_new: bool = True) -> IngestOutcome:
         """Validate and buffer one call's samples. Never raises for bad data: see `rejections`."""
         out = IngestOutcome()
+        c = self.config
+        if c.max_samples_per_push is not None and len(rows) > c.max_samples_per_push:
+            self._reject_push(out, rows, f"{len(rows)} samples in one push exceed max_samples_per_push={c.max_samples_per_push}")
+            return out
         by_rollout: OrderedDict[Hashable, list[tuple[int, Sample]]] = OrderedDict()
+        push_tokens = 0
         for position, row in enumerate(rows):
+            if not isinstance(row, (Sample, dict)):
+                self._reject(out, None, None, "wrong_type", f"a sample must be a dict or a Sample, got {type(row).__name__}")
+                continue
             try:
                 sample = row if isinstance(row, Sample) else Sample.from_dict(row)
-                validate_sample(sample)
+                validate_sample(sample, vocab_size=c.vocab_size, max_sequence_length=c.max_sequence_length)
+                push_tokens += sample.total_length
             except RolloutValidationError as e:
                 self._reject(out, e.rollout_id, e.sample_index, e.rule, e.detail)
                 continue
@@ -185,6 +194,9 @@ class RolloutIntake:
                 by_rollout.setdefault(sample.rollout_id, []).append((position, sample))
             except TypeError:
                 self._reject(out, repr(sample.rollout_id), sample.sample_index, "rollout_id", "rollout_id must be hashable")
+        if c.max_tokens_per_push is not None and push_tokens > c.max_tokens_per_push:
+            self._reject_push(out, rows, f"{push_tokens} tokens in one push exceed max_tokens_per_push={c.max_tokens_per_push}")
+            return out
         deferring = False
         for rid, items in by_rollout.items():
             closed = None if rid in self._open else self._closed_reason(rid)  # an open rollout is never closed
@@ -200,11 +212,12 @@ class RolloutIntake:
         return out
 
     def _closed_reason(self, rid) -> str | None:
-        state = self.ledger.state(rid)
+        entry = self.ledger.get(rid)
+        state = None if entry is None else entry.state
         if state in (RolloutState.SCHEDULED, RolloutState.TRAINED):
-            return f"already_scheduled: rollout is {state.value} in step {self.ledger.get(rid).step}"
+            return f"already_scheduled: rollout is {state.value} in step {entry.step}"
         if state is RolloutState.DROPPED:
-            return f"already_dropped: rollout was dropped ({self.ledger.get(rid).reason})"
+            return f"already_dropped: rollout was dropped ({entry.reason})"
         if rid in self._taken:
             return "already_scheduled: rollout is being scheduled"
         if rid in self._ready or rid in self._waiting_group:
@@ -307,7 +320,7 @@ class RolloutIntake:
 
     def _resolve_group(self, group_id, group: _Group, now: float, out: IngestOutcome) -> None:
         del self._groups[group_id]
-        self._closed_groups.add(group_id)
+        self._closed_groups.add(group_id, reason="closed")
         # Only the drop policy needs to know (a uniform group's advantages are zeros anyway).
         drop = self.config.drop_uniform_groups and is_uniform_group(list(group.rewards.values()))
         advantages = group_advantages(group.rewards, self.config.advantage_eps)
@@ -324,10 +337,14 @@ class RolloutIntake:
     def _reject(self, out: IngestOutcome, rid, sample_index, rule: str, message: str) -> None:
         rejection = Rejection(rid, sample_index, rule, message)
         out.rejections.append(rejection)
-        try:
-            self.ledger.reject(rid, rule, message, sample_index)
-        except TypeError:  # an unhashable id cannot enter the ledger's table; keep the event
-            self.ledger.reject(repr(rid), rule, message, sample_index)
+        self.ledger.reject(rejection)
+
+    def _reject_push(self, out: IngestOutcome, rows, message: str) -> None:
+        """Reject every sample of a push that breaks a size limit (nothing of it is read further)."""
+        for row in rows:
+            rid = row.rollout_id if isinstance(row, Sample) else (row.get("rollout_id") if hasattr(row, "get") else None)
+            index = row.sample_index if isinstance(row, Sample) else (row.get("sample_index") if hasattr(row, "get") else None)
+            self._reject(out, rid, index, "push_size", message)
 
     def _release(self, samples: Sequence[Sample]) -> None:
         self.buffered_samples -= len(samples)

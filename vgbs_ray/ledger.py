@@ -1,31 +1,38 @@
-"""The rollout ledger: the one state of every rollout id the scheduler has seen.
+"""The rollout ledger: the one state of every rollout the scheduler accepted, in bounded memory.
 
 States and the only legal transitions:
 
     (new) ──accept──▶ BUFFERED ──schedule(k)──▶ SCHEDULED(k) ──train(k)──▶ TRAINED(k)
-      │                  │ ▲
-      │                  │ └─accept (a corrected sample after every earlier one was rejected)
-      │                  └──drop(reason)──▶ DROPPED(reason)
-      └──reject(rule)──▶ REJECTED(rule)
+                         │
+                         └──drop(reason)──▶ DROPPED(reason)
 
-Invariants (`check()`, tests/test_ledger.py): every rollout id is in exactly one state;
-every rollout that was ever accepted is BUFFERED, SCHEDULED, TRAINED or DROPPED (none
-disappears, none goes back to REJECTED); a rollout is scheduled in at most one step and
-trained at most once, in the step it was scheduled in. Any other transition raises
-LedgerError naming the rollout and both states: it is a scheduler bug, never data.
+Live rollouts (BUFFERED, SCHEDULED) are entries of a dict; settled ones (TRAINED, DROPPED)
+move into `SettledIds`, an exact compact table (tens of bytes per rollout), so the ledger
+keeps exact duplicate detection for a whole run in memory that grows by a few tens of
+bytes per rollout.
 
-Rejections of single samples of a live rollout (a duplicate, a sample of a scheduled
-rollout) leave its state alone and are kept as events (`rejections`).
+Rejections are events about *samples*, not rollout states: a rejected sample leaves its
+rollout's state alone (a rollout none of whose samples was accepted has no state). They are
+counted by rule and the latest `recent_rejections_limit` are kept (`recent_rejections`).
+
+Invariants (`check()`, tests/test_ledger.py): every accepted rollout is in exactly one state
+(accepted = buffered + scheduled + trained + dropped: none disappears); a rollout is
+scheduled in at most one step and trained at most once, in the step it was scheduled in;
+a step is trained at most once. Any other transition raises LedgerError naming the rollout
+and both states: it is a scheduler bug, never data.
 """
 
 from __future__ import annotations
 
 import enum
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Hashable, Iterable
+from typing import Hashable, Iterable, Iterator
 
-from vgbs_ray.errors import VgbsError
+from vgbs_ray.errors import RolloutValidationError, VgbsError
+from vgbs_ray.settled_ids import SettledIds
+
+DEFAULT_RECENT_REJECTIONS = 1000
 
 
 class LedgerError(VgbsError, RuntimeError):
@@ -37,26 +44,28 @@ class RolloutState(str, enum.Enum):
     SCHEDULED = "scheduled"
     TRAINED = "trained"
     DROPPED = "dropped"
-    REJECTED = "rejected"
 
 
 @dataclass(frozen=True)
 class LedgerEntry:
-    """One rollout's current state; `step` for SCHEDULED/TRAINED, `reason` for DROPPED/REJECTED."""
+    """One rollout's current state; `step` for SCHEDULED/TRAINED, `reason` for DROPPED."""
 
     state: RolloutState
     step: int | None = None
     reason: str | None = None
-    num_samples: int = 0
-    """Samples accepted for this rollout (0 for a rejected one)."""
 
 
 @dataclass(frozen=True)
-class RejectionEvent:
+class Rejection:
+    """One rejected sample: which rollout, which sample, which rule, why."""
+
     rollout_id: Hashable
     sample_index: int | None
     rule: str
     message: str
+
+    def error(self) -> RolloutValidationError:
+        return RolloutValidationError(self.rollout_id, self.rule, self.message, sample_index=self.sample_index)
 
 
 @dataclass(frozen=True)
@@ -65,147 +74,152 @@ class LedgerSummary:
 
     rollouts_by_state: dict[str, int]
     dropped_by_reason: dict[str, int]
-    rejected_rollouts_by_rule: dict[str, int]
     rejected_samples_by_rule: dict[str, int]
-    num_rollouts_seen: int
+    num_rollouts_accepted: int
 
 
 class Ledger:
-    """State of every rollout id; O(1) per transition."""
+    """State of every accepted rollout; O(1) per transition (see module docstring)."""
 
-    def __init__(self) -> None:
-        self._entries: dict[Hashable, LedgerEntry] = {}
-        self._ever_accepted: set[Hashable] = set()
-        self._step_rollouts: dict[int, tuple] = {}
-        self._trained_steps: set[int] = set()
-        self.rejections: list[RejectionEvent] = []
+    def __init__(self, recent_rejections_limit: int = DEFAULT_RECENT_REJECTIONS) -> None:
+        self._live: dict[Hashable, LedgerEntry] = {}
+        self._settled = SettledIds()
+        self._pending_steps: dict[int, tuple] = {}   # scheduled, not yet trained
+        self._last_scheduled_step = -1
+        self._num_accepted = 0
         self._by_state: Counter = Counter()
         self._by_drop_reason: Counter = Counter()
-        self._by_reject_rule: Counter = Counter()
         self._rejected_samples_by_rule: Counter = Counter()
+        self.recent_rejections: deque[Rejection] = deque(maxlen=recent_rejections_limit)
 
     # -- queries ---------------------------------------------------------------------
     def get(self, rollout_id: Hashable) -> LedgerEntry | None:
-        return self._entries.get(rollout_id)
+        entry = self._live.get(rollout_id)
+        if entry is not None:
+            return entry
+        settled = self._settled.get(rollout_id)
+        if settled is None:
+            return None
+        state, step, reason = settled
+        return LedgerEntry(RolloutState(state), step=step, reason=reason)
 
     def state(self, rollout_id: Hashable) -> RolloutState | None:
-        entry = self._entries.get(rollout_id)
+        entry = self.get(rollout_id)
         return None if entry is None else entry.state
 
-    def entries(self) -> list[tuple[Hashable, LedgerEntry]]:
-        return list(self._entries.items())
+    def entries(self) -> Iterator[tuple[Hashable, LedgerEntry]]:
+        """Every accepted rollout and its state: settled ones first, in settling order. O(rollouts)."""
+        for rid, (state, step, reason) in self._settled:
+            yield rid, LedgerEntry(RolloutState(state), step=step, reason=reason)
+        yield from list(self._live.items())
 
-    def step_rollouts(self, step: int) -> tuple:
-        return self._step_rollouts.get(step, ())
-
-    def __len__(self) -> int:
-        return len(self._entries)
+    def settled_nbytes(self) -> int:
+        return self._settled.nbytes()
 
     # -- transitions -----------------------------------------------------------------
-    def _move(self, rollout_id, allowed: tuple, new: LedgerEntry) -> None:
-        old = self._entries.get(rollout_id)
-        old_state = None if old is None else old.state
-        if old_state not in allowed:
-            raise LedgerError(
-                f"rollout {rollout_id!r}: illegal transition {old_state and old_state.value} -> {new.state.value}"
-                f"{'' if old is None or old.step is None else f' (step {old.step})'}"
-            )
-        self._set(rollout_id, new)
-
-    def _set(self, rollout_id, new: "LedgerEntry") -> None:
-        """The one place an entry changes: keeps the summary counts current (O(1) summaries)."""
-        old = self._entries.get(rollout_id)
-        if old is not None:
-            self._count(old, -1)
-        self._entries[rollout_id] = new
-        self._count(new, +1)
-
-    def _count(self, entry: "LedgerEntry", delta: int) -> None:
-        self._by_state[entry.state.value] += delta
-        if entry.state is RolloutState.DROPPED:
-            self._by_drop_reason[entry.reason] += delta
-        elif entry.state is RolloutState.REJECTED:
-            self._by_reject_rule[entry.reason] += delta
-
     def accept_sample(self, rollout_id: Hashable) -> None:
-        """A sample of `rollout_id` was accepted into the buffer."""
-        old = self._entries.get(rollout_id)
-        if old is not None and old.state is RolloutState.BUFFERED:
-            self._set(rollout_id, LedgerEntry(RolloutState.BUFFERED, num_samples=old.num_samples + 1))
+        """A sample of `rollout_id` was accepted into the buffer (a new rollout becomes BUFFERED)."""
+        old = self._live.get(rollout_id)
+        if old is not None:
+            if old.state is not RolloutState.BUFFERED:
+                raise LedgerError(f"rollout {rollout_id!r}: sample accepted while {old.state.value} in step {old.step}")
             return
-        self._move(rollout_id, (None, RolloutState.REJECTED), LedgerEntry(RolloutState.BUFFERED, num_samples=1))
-        self._ever_accepted.add(rollout_id)
+        settled = self._settled.get(rollout_id)
+        if settled is not None:
+            raise LedgerError(f"rollout {rollout_id!r}: illegal transition {settled[0]} -> buffered")
+        self._live[rollout_id] = _BUFFERED
+        self._by_state[RolloutState.BUFFERED] += 1
+        self._num_accepted += 1
 
-    def reject(self, rollout_id: Hashable, rule: str, message: str, sample_index: int | None = None) -> None:
-        """Record a rejected sample; a rollout with no accepted sample becomes REJECTED(rule)."""
-        self.rejections.append(RejectionEvent(rollout_id, sample_index, rule, message))
-        self._rejected_samples_by_rule[rule] += 1
-        old = self._entries.get(rollout_id)
-        if old is None or old.state is RolloutState.REJECTED:
-            self._set(rollout_id, LedgerEntry(RolloutState.REJECTED, reason=rule))
+    def reject(self, rejection: Rejection) -> None:
+        """Record a rejected sample (counted by rule; the latest few kept); no state changes."""
+        self._rejected_samples_by_rule[rejection.rule] += 1
+        self.recent_rejections.append(rejection)
 
     def schedule(self, rollout_ids: Iterable[Hashable], step: int) -> None:
         ids = tuple(rollout_ids)
-        if step in self._step_rollouts:
-            raise LedgerError(f"step {step} was already scheduled")
+        if step <= self._last_scheduled_step:
+            raise LedgerError(f"step {step} was already scheduled (last scheduled: {self._last_scheduled_step})")
+        for rid in ids:  # check all before changing any: a refused transition changes nothing
+            self._expect(rid, RolloutState.BUFFERED, "scheduled")
+        if len(set(ids)) != len(ids):
+            raise LedgerError(f"step {step} lists a rollout twice")
+        entry = LedgerEntry(RolloutState.SCHEDULED, step=step)
         for rid in ids:
-            old = self._entries.get(rid)
-            self._move(rid, (RolloutState.BUFFERED,), LedgerEntry(RolloutState.SCHEDULED, step=step,
-                                                                   num_samples=old.num_samples if old else 0))
-        self._step_rollouts[step] = ids
+            self._live[rid] = entry
+        self._by_state[RolloutState.BUFFERED] -= len(ids)
+        self._by_state[RolloutState.SCHEDULED] += len(ids)
+        self._pending_steps[step] = ids
+        self._last_scheduled_step = step
 
     def train_step(self, step: int) -> tuple:
         """Every rollout of `step` becomes TRAINED(step); returns their ids."""
-        if step not in self._step_rollouts:
+        ids = self._pending_steps.get(step)
+        if ids is None:
+            if 0 <= step <= self._last_scheduled_step:
+                raise LedgerError(f"step {step} was already trained: its rollouts would be trained twice")
             raise LedgerError(f"step {step} was never scheduled")
-        if step in self._trained_steps:
-            raise LedgerError(f"step {step} was already trained: its rollouts would be trained twice")
-        for rid in self._step_rollouts[step]:
-            old = self._entries[rid]
-            if old.state is not RolloutState.SCHEDULED or old.step != step:
-                raise LedgerError(f"rollout {rollout_id_repr(rid)}: expected scheduled in step {step}, is {old}")
-            self._set(rid, LedgerEntry(RolloutState.TRAINED, step=step, num_samples=old.num_samples))
-        self._trained_steps.add(step)
-        return self._step_rollouts[step]
+        for rid in ids:
+            old = self._live.get(rid)
+            if old is None or old.state is not RolloutState.SCHEDULED or old.step != step:
+                raise LedgerError(f"rollout {rid!r}: expected scheduled in step {step}, is {old}")
+        del self._pending_steps[step]
+        for rid in ids:
+            del self._live[rid]
+            self._settled.add(rid, step=step)
+        self._by_state[RolloutState.SCHEDULED] -= len(ids)
+        self._by_state[RolloutState.TRAINED] += len(ids)
+        return ids
 
     def drop(self, rollout_id: Hashable, reason: str) -> None:
-        old = self._entries.get(rollout_id)
-        self._move(rollout_id, (RolloutState.BUFFERED,), LedgerEntry(
-            RolloutState.DROPPED, reason=reason, num_samples=old.num_samples if old else 0))
+        self._expect(rollout_id, RolloutState.BUFFERED, "dropped")
+        del self._live[rollout_id]
+        self._settled.add(rollout_id, reason=reason)
+        self._by_state[RolloutState.BUFFERED] -= 1
+        self._by_state[RolloutState.DROPPED] += 1
+        self._by_drop_reason[reason] += 1
+
+    def _expect(self, rollout_id, state: RolloutState, new: str) -> None:
+        old = self._live.get(rollout_id)
+        if old is None or old.state is not state:
+            settled = None if old is not None else self._settled.get(rollout_id)
+            was = old.state.value if old is not None else (settled[0] if settled else None)
+            raise LedgerError(f"rollout {rollout_id!r}: illegal transition {was} -> {new}")
 
     # -- reports ---------------------------------------------------------------------
     def summary(self) -> LedgerSummary:
         """Counts kept current by every transition: O(states + reasons), not O(rollouts)."""
         return LedgerSummary(
-            rollouts_by_state={s.value: self._by_state[s.value] for s in RolloutState},
+            rollouts_by_state={s.value: self._by_state[s] for s in RolloutState},
             dropped_by_reason={k: n for k, n in self._by_drop_reason.items() if n},
-            rejected_rollouts_by_rule={k: n for k, n in self._by_reject_rule.items() if n},
             rejected_samples_by_rule=dict(self._rejected_samples_by_rule),
-            num_rollouts_seen=len(self._entries),
+            num_rollouts_accepted=self._num_accepted,
         )
 
     def check(self) -> None:
-        """Raise LedgerError if an invariant in the module docstring does not hold."""
-        for rid in self._ever_accepted:
-            entry = self._entries.get(rid)
-            if entry is None or entry.state is RolloutState.REJECTED:
-                raise LedgerError(f"rollout {rollout_id_repr(rid)} was accepted but is now {entry}: it disappeared")
-        seen: dict[Hashable, int] = {}
-        for step, ids in self._step_rollouts.items():
-            for rid in ids:
-                if rid in seen:
-                    raise LedgerError(f"rollout {rollout_id_repr(rid)} is in steps {seen[rid]} and {step}")
-                seen[rid] = step
-                entry = self._entries[rid]
-                if entry.state not in (RolloutState.SCHEDULED, RolloutState.TRAINED) or entry.step != step:
-                    raise LedgerError(f"rollout {rollout_id_repr(rid)} listed in step {step} but is {entry}")
-        for rid, entry in self._entries.items():
-            if entry.state in (RolloutState.SCHEDULED, RolloutState.TRAINED) and seen.get(rid) != entry.step:
-                raise LedgerError(f"rollout {rollout_id_repr(rid)} is {entry} but not listed in that step")
-        recount = Counter(e.state.value for e in self._entries.values())
+        """Raise LedgerError if an invariant in the module docstring does not hold. O(rollouts)."""
+        recount: Counter = Counter(e.state for e in self._live.values())
+        for rid, (state, _, _) in self._settled:
+            if rid in self._live:
+                raise LedgerError(f"rollout {rid!r} is both {self._live[rid].state.value} and {state}")
+            recount[RolloutState(state)] += 1
         if +recount != +self._by_state:
             raise LedgerError(f"summary counts {dict(+self._by_state)} disagree with the entries {dict(recount)}")
+        if sum(recount.values()) != self._num_accepted:
+            raise LedgerError(f"{self._num_accepted} rollouts accepted but {sum(recount.values())} have a state: "
+                              "a rollout disappeared")
+        listed: dict[Hashable, int] = {}
+        for step, ids in self._pending_steps.items():
+            for rid in ids:
+                if rid in listed:
+                    raise LedgerError(f"rollout {rid!r} is in steps {listed[rid]} and {step}")
+                listed[rid] = step
+                entry = self._live.get(rid)
+                if entry is None or entry.state is not RolloutState.SCHEDULED or entry.step != step:
+                    raise LedgerError(f"rollout {rid!r} listed in step {step} but is {entry}")
+        scheduled = sum(1 for e in self._live.values() if e.state is RolloutState.SCHEDULED)
+        if scheduled != len(listed):
+            raise LedgerError(f"{scheduled} rollouts are scheduled but {len(listed)} are listed in pending steps")
 
 
-def rollout_id_repr(rollout_id: Hashable) -> str:
-    return repr(rollout_id)
+_BUFFERED = LedgerEntry(RolloutState.BUFFERED)

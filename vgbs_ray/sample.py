@@ -6,8 +6,13 @@ A *sample* is one training sequence; a *rollout* is one execution of a producer 
 the last `response_length` tokens).
 
 Rules (each has a name that errors carry in `RolloutValidationError.rule`):
+  missing_field       rollout_id, tokens, response_length, loss_mask, reward are present
+  wrong_type          tokens and loss_mask hold integers; response_length, sample_index,
+                      rollout_size, group_size are integers; reward and advantage numbers
   empty_tokens        tokens non-empty
-  response_length     0 <= response_length <= len(tokens)
+  response_length     1 <= response_length <= len(tokens)
+  token_range         0 <= token id < vocab_size, when the vocabulary size is known
+  sequence_length     len(tokens) <= max_sequence_length, when the model's limit is known
   mask_length         len(loss_mask) == response_length
   mask_values         loss_mask values are 0 or 1
   log_probs_length    len(rollout_log_probs) == response_length, when given
@@ -67,11 +72,13 @@ class Sample:
     def from_dict(cls, row: dict[str, Any]) -> "Sample":
         """Build a sample from a plain dict (a Ray Data row or a producer's payload).
 
-        Arrays are normalised to their dtypes; unknown keys go into metadata. The result is
-        not validated: call `validate_sample`.
+        Arrays are normalised to their dtypes; unknown keys go into metadata. Raises
+        RolloutValidationError (missing_field, wrong_type) when the row cannot be read as a
+        sample; the other rules are `validate_sample`'s.
         """
-        if not row.keys() >= _REQUIRED_KEYS:
-            missing = [k for k in _REQUIRED_FIELDS if k not in row]
+        if not row.keys() >= _REQUIRED_KEYS or any(row[k] is None for k in _REQUIRED_FIELDS):
+            # A Ray Data row carries a missing column as None.
+            missing = [k for k in _REQUIRED_FIELDS if row.get(k) is None]
             raise RolloutValidationError(
                 row.get("rollout_id"), "missing_field", f"sample lacks required field(s) {missing}"
             )
@@ -81,20 +88,21 @@ class Sample:
         if isinstance(rollout_id, np.generic):
             rollout_id = rollout_id.item()
         log_probs = row.get("rollout_log_probs")
+        read = _FieldReader(rollout_id, row.get("sample_index"))
         return cls(
             rollout_id=rollout_id,
-            tokens=np.asarray(row["tokens"], dtype=np.int64).reshape(-1),
-            response_length=int(row["response_length"]),
-            loss_mask=np.asarray(row["loss_mask"]).reshape(-1),
-            reward=float(row["reward"]),
-            sample_index=int(row.get("sample_index") or 0),
-            rollout_size=_optional_int(row.get("rollout_size")),
-            advantage=_optional_float(row.get("advantage")),
+            tokens=read.int_array(row["tokens"], "tokens").astype(np.int64, copy=False),
+            response_length=read.integer(row["response_length"], "response_length"),
+            loss_mask=read.int_array(row["loss_mask"], "loss_mask"),
+            reward=read.number(row["reward"], "reward"),
+            sample_index=read.optional_integer(row.get("sample_index"), "sample_index") or 0,
+            rollout_size=read.optional_integer(row.get("rollout_size"), "rollout_size"),
+            advantage=read.optional_number(row.get("advantage"), "advantage"),
             group_id=_optional_scalar(row.get("group_id")),
-            group_size=_optional_int(row.get("group_size")),
+            group_size=read.optional_integer(row.get("group_size"), "group_size"),
             rollout_log_probs=None if log_probs is None else np.asarray(log_probs, dtype=np.float32).reshape(-1),
-            policy_version_min=_optional_int(row.get("policy_version_min")),
-            policy_version_max=_optional_int(row.get("policy_version_max")),
+            policy_version_min=read.optional_integer(row.get("policy_version_min"), "policy_version_min"),
+            policy_version_max=read.optional_integer(row.get("policy_version_max"), "policy_version_max"),
             metadata={**(row.get("metadata") or {}), **extra},
         )
 
@@ -135,12 +143,50 @@ _REQUIRED_KEYS = frozenset(_REQUIRED_FIELDS)
 _SAMPLE_FIELDS = frozenset(Sample.__dataclass_fields__)
 
 
-def _optional_int(value) -> int | None:
-    return None if value is None or _is_nan(value) else int(value)
+class _FieldReader:
+    """Reads one row's fields, raising `wrong_type` (with the rollout and field) for a bad type.
 
+    Integers may come as Python or numpy ints, or as integral floats (a Ray Data column with
+    missing values turns into floats); numbers as anything real but a string or bool.
+    """
 
-def _optional_float(value) -> float | None:
-    return None if value is None or _is_nan(value) else float(value)
+    def __init__(self, rollout_id, sample_index):
+        self.rollout_id = rollout_id
+        self.sample_index = sample_index if isinstance(sample_index, (int, np.integer)) else None
+
+    def fail(self, name: str, detail: str):
+        raise RolloutValidationError(self.rollout_id, "wrong_type", f"{name} {detail}", sample_index=self.sample_index)
+
+    def int_array(self, value, name: str) -> np.ndarray:
+        if isinstance(value, (str, bytes, dict)):
+            self.fail(name, f"must be a sequence of integers, got {type(value).__name__}")
+        try:
+            array = np.asarray(value)
+        except ValueError as e:  # ragged nesting
+            self.fail(name, f"must be a flat sequence of integers ({e})")
+        if array.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        if array.dtype.kind not in "iub" or array.ndim != 1:
+            self.fail(name, f"must be a flat sequence of integers, got {array.ndim}-d dtype {array.dtype}")
+        return array
+
+    def integer(self, value, name: str) -> int:
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer, float, np.floating)):
+            self.fail(name, f"must be an integer, got {type(value).__name__} {value!r}")
+        if isinstance(value, (float, np.floating)) and not float(value).is_integer():
+            self.fail(name, f"must be an integer, got {value!r}")
+        return int(value)
+
+    def optional_integer(self, value, name: str) -> int | None:
+        return None if value is None or _is_nan(value) else self.integer(value, name)
+
+    def number(self, value, name: str) -> float:
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+            self.fail(name, f"must be a number, got {type(value).__name__} {value!r}")
+        return float(value)
+
+    def optional_number(self, value, name: str) -> float | None:
+        return None if value is None or _is_nan(value) else self.number(value, name)
 
 
 def _optional_scalar(value):
@@ -153,19 +199,28 @@ def _is_nan(value) -> bool:
     return isinstance(value, (float, np.floating)) and np.isnan(value)
 
 
-def validate_sample(sample: Sample) -> None:
-    """Raise RolloutValidationError if `sample` breaks a per-sample rule."""
+def validate_sample(sample: Sample, *, vocab_size: int | None = None, max_sequence_length: int | None = None) -> None:
+    """Raise RolloutValidationError if `sample` breaks a per-sample rule.
+
+    `vocab_size` and `max_sequence_length` (tokens) are the model's limits, when known.
+    """
 
     def fail(rule: str, detail: str):
         raise RolloutValidationError(sample.rollout_id, rule, detail, sample_index=sample.sample_index)
 
     if sample.tokens.size == 0:
         fail("empty_tokens", "tokens must be non-empty")
-    if not 0 <= sample.response_length <= sample.tokens.size:
+    if not 1 <= sample.response_length <= sample.tokens.size:
         fail(
             "response_length",
-            f"response_length={sample.response_length} must be in [0, len(tokens)={sample.tokens.size}]",
+            f"response_length={sample.response_length} must be in [1, len(tokens)={sample.tokens.size}]",
         )
+    if max_sequence_length is not None and sample.tokens.size > max_sequence_length:
+        fail("sequence_length", f"{sample.tokens.size} tokens exceed the model's max_sequence_length={max_sequence_length}")
+    if vocab_size is not None:
+        low, high = int(sample.tokens.min()), int(sample.tokens.max())
+        if low < 0 or high >= vocab_size:
+            fail("token_range", f"token id {low if low < 0 else high} is outside the vocabulary [0, {vocab_size})")
     if sample.loss_mask.size != sample.response_length:
         fail(
             "mask_length",

@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from vgbs_ray.errors import RolloutValidationError
-from vgbs_ray.loss import rollout_mask_sums as compute_rollout_mask_sums
+from vgbs_ray.normalisers import rollout_mask_sums as compute_rollout_mask_sums
 from vgbs_ray.sample import Sample
 from vgbs_ray.schedule import StepLayout
 

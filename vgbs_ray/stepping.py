@@ -9,8 +9,9 @@ count so a stream that has produced at least one full step keeps its layout for 
 final step), lays the step out with `layout_step` over the rollouts' samples in first-ready
 order, and builds one `StepShard` per DP rank. Invariants: every sample of the given
 rollouts is on exactly one rank; every shard carries the step's true `num_rollouts`;
-siblings share the step. A step that cannot give every rank a sample raises ScheduleError
-(the caller keeps or drops its rollouts by the leftover policy).
+siblings share the step. Any non-empty step can be planned: a step with fewer samples than
+micro-batches gets empty padding micro-batches (layout path) or empty shards (legacy path),
+so a step never stalls on alignment.
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ LeftoverAction = Literal["partial", "drop", "keep"]
 
 @dataclass(frozen=True)
 class PlannedStep:
-    step: int
-    rollout_ids: tuple
     shards: list[StepShard]
     decision: SchedulingDecision
     num_samples: int
     num_tokens: int
     num_microbatches: int | None
     """Micro-batches per rank (the same on every rank); None on the legacy path."""
+    num_padding_microbatches: int
+    """Empty micro-batches over all ranks (layout path), or ranks without a sample (legacy path)."""
 
 
 def plan_step(
@@ -59,33 +60,25 @@ def plan_step(
     ids = tuple(r.rollout_id for r in rollouts)
     decision = decide_scheduling(
         parallel if advertise_layout else None,
-        has_rollout_ids=True,
         num_rollouts=max(num_rollouts_seen, len(ids)),
         global_batch_size=batch.global_batch_size,
         features=features,
     )
-    needed = parallel.microbatch_alignment if decision.rollout_side else parallel.dp_size
-    if len(samples) < needed:
-        raise ScheduleError(
-            f"step {step}: {len(ids)} rollouts hold {len(samples)} samples, fewer than the {needed} needed "
-            f"to give every DP rank a micro-batch (dp_size={parallel.dp_size})"
-        )
     if decision.rollout_side:
         lengths = np.array([s.total_length for s in samples], dtype=np.int64)
         layout = layout_step(ids, range(len(samples)), lengths, parallel, batch)
         shards = build_step_shards(samples, layout, step)
-        num_microbatches = layout.num_microbatches
+        num_microbatches, padding = layout.num_microbatches, layout.num_padding_microbatches
     else:
         shards = build_legacy_shards(samples, step, parallel.dp_size)
-        num_microbatches = None
+        num_microbatches, padding = None, sum(1 for s in shards if s.num_samples == 0)
     return PlannedStep(
-        step=step,
-        rollout_ids=ids,
         shards=shards,
         decision=decision,
         num_samples=len(samples),
         num_tokens=int(sum(s.total_length for s in samples)),
         num_microbatches=num_microbatches,
+        num_padding_microbatches=padding,
     )
 
 

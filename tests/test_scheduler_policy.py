@@ -1,0 +1,75 @@
+"""The scheduler's decisions, without Ray: what next, and whom to admit."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vgbs_ray.scheduler_policy import (
+    EmitFullStep, FlushRequest, MaxWaitFlush, RunFlush, SchedulerView, WaitFor, admit_new_rollouts, next_action,
+)
+
+FLUSH = FlushRequest("flush", end_of_input=False)
+END = FlushRequest("end_of_input", end_of_input=True)
+
+
+def view(**overrides) -> SchedulerView:
+    base = dict(registered=True, num_ready=0, global_batch_size=4, leftover="partial", flush_requests=(),
+                active_datasets=0, oldest_ready_age_s=None, max_wait_s=None)
+    return SchedulerView(**{**base, **overrides})
+
+
+@pytest.mark.parametrize("state, expected", [
+    (dict(num_ready=4), EmitFullStep()),
+    (dict(num_ready=9, flush_requests=(FLUSH,)), EmitFullStep()),                      # full steps before flushes
+    (dict(num_ready=4, registered=False), WaitFor(None)),                               # layouts need the train group
+    (dict(num_ready=3), WaitFor(None)),
+    (dict(num_ready=3, flush_requests=(FLUSH,)), RunFlush(0)),
+    (dict(num_ready=0, flush_requests=(FLUSH,), registered=False), RunFlush(0)),       # nothing to lay out
+    (dict(num_ready=3, flush_requests=(FLUSH,), registered=False), WaitFor(None)),     # a partial step needs a layout
+    (dict(num_ready=3, flush_requests=(FLUSH,), registered=False, leftover="drop"), RunFlush(0)),
+    (dict(num_ready=4, flush_requests=(FLUSH,), registered=False, leftover="drop"), WaitFor(None)),  # never drop a step
+    (dict(flush_requests=(END,), active_datasets=1), WaitFor(None)),                    # a stream still brings input
+    (dict(flush_requests=(END, FLUSH), active_datasets=1), RunFlush(1)),
+    (dict(num_ready=1, oldest_ready_age_s=0.5, max_wait_s=2.0), WaitFor(1.5)),
+    (dict(num_ready=1, oldest_ready_age_s=2.0, max_wait_s=2.0), MaxWaitFlush()),
+    (dict(num_ready=1, oldest_ready_age_s=9.0, max_wait_s=2.0, leftover="carry"), WaitFor(None)),
+    (dict(num_ready=1, oldest_ready_age_s=9.0, max_wait_s=2.0, registered=False), WaitFor(None)),
+])
+def test_next_action(state, expected):
+    assert next_action(view(**state)) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    registered=st.booleans(), num_ready=st.integers(0, 20), gbs=st.integers(1, 8),
+    leftover=st.sampled_from(["partial", "drop", "carry"]),
+    requests=st.lists(st.sampled_from([FLUSH, END]), max_size=3), datasets=st.integers(0, 2),
+    age=st.one_of(st.none(), st.floats(0, 10)), max_wait=st.one_of(st.none(), st.floats(0.1, 5)),
+)
+def test_every_action_is_allowed_by_the_state(registered, num_ready, gbs, leftover, requests, datasets, age, max_wait):
+    """No action the state cannot carry out: so the loop never spins on an impossible one."""
+    state = view(registered=registered, num_ready=num_ready, global_batch_size=gbs, leftover=leftover,
+                 flush_requests=tuple(requests), active_datasets=datasets,
+                 oldest_ready_age_s=age if num_ready else None, max_wait_s=max_wait)
+    action = next_action(state)
+    if isinstance(action, EmitFullStep):
+        assert registered and num_ready >= gbs
+    elif isinstance(action, RunFlush):
+        request = requests[action.index]
+        assert not (request.end_of_input and datasets)
+        assert registered or (num_ready < gbs and (leftover != "partial" or num_ready == 0))
+        assert all(r.end_of_input and datasets for r in requests[:action.index])  # oldest runnable first
+    elif isinstance(action, MaxWaitFlush):
+        assert registered and leftover != "carry" and num_ready and age >= max_wait
+    else:
+        assert action.timeout_s is None or action.timeout_s > 0
+        assert not (registered and num_ready >= gbs)
+
+
+def test_admission():
+    assert admit_new_rollouts(steps_in_flight=3, max_steps_ahead=2, buffer_has_room=True, buffer_reason="")[0] is False
+    ok, why = admit_new_rollouts(steps_in_flight=2, max_steps_ahead=2, buffer_has_room=False, buffer_reason="buffer_full: x")
+    assert not ok and why == "buffer_full: x"
+    assert admit_new_rollouts(steps_in_flight=9, max_steps_ahead=None, buffer_has_room=True, buffer_reason="") == (True, "")

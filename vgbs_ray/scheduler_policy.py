@@ -1,0 +1,115 @@
+"""What the SchedulerActor does next, and whether it admits a new rollout: pure decisions.
+
+    action = next_action(SchedulerView(...))       # EmitFullStep | RunFlush | MaxWaitFlush | WaitFor
+    admitted, reason = admit_new_rollouts(...)
+
+The actor is a loop that builds a `SchedulerView` of its state, asks `next_action`, carries
+the action out, and repeats; it never decides anything itself (the shape of Ray Train v2's
+controller and its `FailurePolicy.make_decision`). Priorities, highest first:
+
+1. A full step, whenever `global_batch_size` rollouts are ready and a train group is
+   registered (layouts need its parallel config).
+2. The oldest pending flush request (`flush()`, `end_of_input()`), once it can run: an end of
+   input waits for running Ray Data streams to finish; any flush waits for the train group
+   while what it would emit needs a layout (a full step, or a partial step under
+   leftover="partial"), so a flush before registration never drops what could train.
+3. The max-wait flush: the oldest ready rollout waited `max_wait_s` (not with
+   leftover="carry", which never flushes mid-run).
+4. Otherwise wait: for a change of state, or until the max-wait deadline.
+
+Every action makes progress (a step can always be laid out: empty padding micro-batches fill
+an alignment that real samples cannot reach), so the loop cannot spin on the same state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vgbs_ray.config import LeftoverPolicy
+
+
+@dataclass(frozen=True)
+class FlushRequest:
+    """A pending flush: "flush" (explicit), "end_of_input", or "max_wait"."""
+
+    trigger: str
+    end_of_input: bool
+
+
+@dataclass(frozen=True)
+class SchedulerView:
+    """What the decision needs of the scheduler's state. Ages in seconds."""
+
+    registered: bool
+    num_ready: int
+    """Complete, advantaged rollouts waiting for a step."""
+    global_batch_size: int
+    leftover: LeftoverPolicy
+    flush_requests: tuple[FlushRequest, ...]
+    """Pending flush requests, oldest first."""
+    active_datasets: int
+    oldest_ready_age_s: float | None
+    max_wait_s: float | None
+
+
+@dataclass(frozen=True)
+class EmitFullStep:
+    """Take the oldest `global_batch_size` ready rollouts and emit them as one step."""
+
+
+@dataclass(frozen=True)
+class RunFlush:
+    """Run flush request number `index` of `SchedulerView.flush_requests` (and remove it)."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class MaxWaitFlush:
+    """Flush because the oldest ready rollout waited `max_wait_s`."""
+
+
+@dataclass(frozen=True)
+class WaitFor:
+    """Nothing to do: wait for a change of state, at most `timeout_s` (None: no deadline)."""
+
+    timeout_s: float | None
+
+
+Action = EmitFullStep | RunFlush | MaxWaitFlush | WaitFor
+
+
+def next_action(view: SchedulerView) -> Action:
+    """The scheduler's next action (see module docstring for the priorities)."""
+    full_step_ready = view.num_ready >= view.global_batch_size
+    if view.registered and full_step_ready:
+        return EmitFullStep()
+    for index, request in enumerate(view.flush_requests):
+        if request.end_of_input and view.active_datasets:
+            continue  # a running stream still brings input
+        needs_layout = full_step_ready or (view.leftover == "partial" and view.num_ready > 0)
+        if needs_layout and not view.registered:
+            continue  # never drop or strand what could train: wait for the train group
+        return RunFlush(index)
+    age = view.oldest_ready_age_s
+    if view.max_wait_s is None or age is None or view.leftover == "carry" or not view.registered:
+        return WaitFor(None)
+    if age >= view.max_wait_s:
+        return MaxWaitFlush()
+    return WaitFor(view.max_wait_s - age)
+
+
+def admit_new_rollouts(*, steps_in_flight: int, max_steps_ahead: int | None,
+                       buffer_has_room: bool, buffer_reason: str) -> tuple[bool, str]:
+    """Whether a *new* rollout may enter now, and if not, why (backpressure).
+
+    Refused while more than `max_steps_ahead` steps are emitted but not trained (bounded
+    staleness), or while the buffer is full. Samples of rollouts already open are always
+    taken (the intake's rule): refusing them could never free the buffer.
+    """
+    if max_steps_ahead is not None and steps_in_flight > max_steps_ahead:
+        return False, (f"staleness: {steps_in_flight} steps emitted but not trained "
+                       f"(max_steps_ahead={max_steps_ahead})")
+    if not buffer_has_room:
+        return False, buffer_reason
+    return True, ""

@@ -1,0 +1,155 @@
+"""SettledIds: an exact, compact table of ids that reached a final state, with that state.
+
+    settled = SettledIds()
+    settled.add("rollout-7", step=3)                  # trained in step 3
+    settled.add("rollout-8", reason="stale")          # dropped, with its reason
+    settled.get("rollout-7")  -> ("trained", 3, None)
+    settled.get("fresh")      -> None
+
+Why: the scheduler must refuse a late or re-sent sample of a rollout that was trained or
+dropped, for the whole run and exactly (a fresh rollout must never be refused because of
+a hash collision), while a million settled rollouts must cost a few tens of bytes each,
+not the ~150 bytes of a Python set entry plus its string.
+
+Layout (no Python object per id):
+  - every id is encoded to bytes (`encode_id`: str and int by value, anything else pickled)
+    and appended to one bytearray; `_ends[i]` is where id i ends;
+  - `_steps[i]` (int32, -1 for none) and `_reasons[i]` (uint8 code into `_reason_names`,
+    code 0 = trained) hold its final state;
+  - the lookup index maps a 64-bit hash of the encoded bytes to the id's position: a
+    sorted numpy pair (`_hashes`, `_positions`) plus a dict of recent additions, merged
+    into the sorted pair every `MERGE_EVERY` additions (one O(n) insert, amortised).
+A lookup hashes the encoded id, finds the candidate positions and compares bytes, so the
+answer is exact. Memory per id: its encoded length + 8 (end) + 4 (step) + 1 (reason)
++ 12 (index) bytes, e.g. ~45 bytes for a 20-character id.
+
+Invariants: an id is added at most once (`add` raises KeyError otherwise); `get` returns
+exactly what `add` stored; iteration yields ids in the order they were added.
+"""
+
+from __future__ import annotations
+
+import pickle
+from array import array
+from typing import Hashable, Iterator
+
+import numpy as np
+
+TRAINED = "trained"
+DROPPED = "dropped"
+MERGE_EVERY = 4096
+_MASK64 = (1 << 64) - 1
+
+
+def encode_id(value: Hashable) -> bytes:
+    """Bytes that identify `value`: str and int by value (tagged), anything else pickled."""
+    if type(value) is str:
+        return b"s" + value.encode("utf-8", "surrogatepass")
+    if type(value) is int:
+        return b"i" + str(value).encode("ascii")
+    return b"p" + pickle.dumps(value, protocol=5)
+
+
+def decode_id(data: bytes) -> Hashable:
+    tag, body = data[:1], data[1:]
+    if tag == b"s":
+        return body.decode("utf-8", "surrogatepass")
+    if tag == b"i":
+        return int(body)
+    return pickle.loads(body)
+
+
+class SettledIds:
+    """Exact, compact id -> (state, step, reason) table (see module docstring)."""
+
+    def __init__(self) -> None:
+        self._blob = bytearray()
+        self._ends = array("q")
+        self._steps = array("i")
+        self._reasons = array("B")
+        self._reason_names: list[str | None] = [None]   # code 0: trained (no reason)
+        self._reason_codes: dict[str | None, int] = {None: 0}
+        self._hashes = np.zeros(0, dtype=np.uint64)
+        self._positions = np.zeros(0, dtype=np.uint32)
+        self._recent: dict[int, list[int]] = {}
+        self._num_recent = 0
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def add(self, value: Hashable, *, step: int | None = None, reason: str | None = None) -> None:
+        """Record `value` as trained in `step` (reason None) or dropped with `reason`."""
+        data = encode_id(value)
+        key = hash(data) & _MASK64
+        if self._find(data, key) is not None:
+            raise KeyError(f"id {value!r} is already settled")
+        code = self._reason_codes.get(reason)
+        if code is None:
+            if len(self._reason_names) == 256:
+                raise ValueError("more than 255 distinct drop reasons")
+            code = self._reason_codes[reason] = len(self._reason_names)
+            self._reason_names.append(reason)
+        position = len(self._ends)
+        self._blob += data
+        self._ends.append(len(self._blob))
+        self._steps.append(-1 if step is None else step)
+        self._reasons.append(code)
+        self._recent.setdefault(key, []).append(position)
+        self._num_recent += 1
+        if self._num_recent >= MERGE_EVERY:
+            self._merge_recent()
+
+    def get(self, value: Hashable) -> tuple[str, int | None, str | None] | None:
+        """(state, step, reason) of `value`, or None if it never settled. Exact."""
+        data = encode_id(value)
+        position = self._find(data, hash(data) & _MASK64)
+        return None if position is None else self._state_at(position)
+
+    def __contains__(self, value: Hashable) -> bool:
+        return self.get(value) is not None
+
+    def __iter__(self) -> Iterator[tuple[Hashable, tuple[str, int | None, str | None]]]:
+        """(id, (state, step, reason)) in the order added. O(n); for reports and checkpoints."""
+        start = 0
+        for position, end in enumerate(self._ends):
+            yield decode_id(bytes(self._blob[start:end])), self._state_at(position)
+            start = end
+
+    def nbytes(self) -> int:
+        """Bytes held by the table's arrays (what grows with the number of ids)."""
+        return (len(self._blob) + self._ends.itemsize * len(self._ends) + self._steps.itemsize * len(self._steps)
+                + len(self._reasons) + self._hashes.nbytes + self._positions.nbytes)
+
+    # -- internals -------------------------------------------------------------------
+    def _state_at(self, position: int) -> tuple[str, int | None, str | None]:
+        step = self._steps[position]
+        reason = self._reason_names[self._reasons[position]]
+        return (TRAINED if reason is None else DROPPED), (None if step < 0 else step), reason
+
+    def _bytes_at(self, position: int) -> bytes:
+        start = self._ends[position - 1] if position else 0
+        return bytes(self._blob[start:self._ends[position]])
+
+    def _find(self, data: bytes, key: int) -> int | None:
+        for position in self._recent.get(key, ()):
+            if self._bytes_at(position) == data:
+                return position
+        hashes = self._hashes
+        index = int(np.searchsorted(hashes, np.uint64(key)))
+        while index < hashes.size and int(hashes[index]) == key:  # more than one only on a collision
+            position = int(self._positions[index])
+            if self._bytes_at(position) == data:
+                return position
+            index += 1
+        return None
+
+    def _merge_recent(self) -> None:
+        keys = np.array([k for k, positions in self._recent.items() for _ in positions], dtype=np.uint64)
+        positions = np.array([p for ps in self._recent.values() for p in ps], dtype=np.uint32)
+        order = np.argsort(keys, kind="stable")
+        keys, positions = keys[order], positions[order]
+        at = np.searchsorted(self._hashes, keys)
+        self._hashes = np.insert(self._hashes, at, keys)
+        self._positions = np.insert(self._positions, at, positions)
+        self._recent.clear()
+        self._num_recent = 0
