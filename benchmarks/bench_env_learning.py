@@ -36,8 +36,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from vgbs_ray.advantages import group_advantages, is_uniform_group
-from vgbs_ray.envs.digits import PAD, VOCAB_SIZE, DigitTaskConfig, PromptCursor, PromptGenerator, rollout_id_for
-from vgbs_ray.envs.episode import DigitEpisode
+from vgbs_ray.envs.digits import PAD, VOCAB_SIZE, DigitTaskConfig, PromptCursor, PromptGenerator
+from vgbs_ray.envs.episode import EpisodeGroup
 from vgbs_ray.microbatch import pack_micro_batch
 from vgbs_ray.off_policy import OffPolicyConfig
 from vgbs_ray.policy_loss import micro_batch_loss
@@ -164,24 +164,21 @@ def run(rule: str, prompts_per_step: int, staleness: int, seed: int, max_steps: 
     rewards, trained, start = [], 0, time.perf_counter()
     for step in range(max_steps):
         behaviour = snapshots[0]  # the oldest kept version: k - s once the deque is full
-        episodes = [(p, m, DigitEpisode(task, p)) for p in (next(prompts) for _ in range(prompts_per_step))
-                    for m in range(GROUP_SIZE)]
-        while live := [e for _, _, e in episodes if not e.done]:
+        groups = [EpisodeGroup(task, next(prompts), group_size=GROUP_SIZE) for _ in range(prompts_per_step)]
+        while live := [episode for group in groups for _, episode in group.live()]:
             answers, log_probs = sample_answers(behaviour, [e.context() for e in live], generator)
             for episode, answer, log_prob in zip(live, answers, log_probs):
                 episode.submit([answer], [log_prob], max(step - staleness, 0))
-        rewards.append(statistics.fmean(e.reward for _, _, e in episodes))
+        rewards.append(statistics.fmean(r for group in groups for r in group.rewards().values()))
         samples = []
-        for prompt_index in range(prompts_per_step):
-            group = episodes[prompt_index * GROUP_SIZE:(prompt_index + 1) * GROUP_SIZE]
-            if is_uniform_group([e.reward for _, _, e in group]):
+        for group in groups:
+            if is_uniform_group(list(group.rewards().values())):
                 continue  # dynamic sampling: no signal
-            advantages = group_advantages({rollout_id_for(p, m): e.reward for p, m, e in group})
-            for p, m, e in group:
-                rollout = [Sample.from_dict(row) for row in e.to_samples(
-                    rollout_id_for(p, m), group_id=p.prompt_id, group_size=GROUP_SIZE)]
-                validate_rollout(rollout)
-                samples += [s.with_advantage(advantages[rollout_id_for(p, m)]) for s in rollout]
+            advantages = group_advantages(group.rewards())
+            built = [Sample.from_dict(row) for row in group.to_samples()]
+            for rollout_id in group.rollout_ids:
+                validate_rollout([s for s in built if s.rollout_id == rollout_id])
+            samples += [s.with_advantage(advantages[s.rollout_id]) for s in built]
         if samples:
             shard = build_legacy_shards(samples, step, dp_size=1)[0]
             micro_batch = pack_micro_batch(shard, range(shard.num_samples))

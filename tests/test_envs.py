@@ -8,7 +8,7 @@ import torch
 
 from vgbs_ray.envs.digits import (BOS, HIGHER, LOWER, NOT_DIGIT, SEP, VOCAB_SIZE, DigitTaskConfig, PromptCursor,
                                   PromptGenerator, prompt_at, prompt_from_row, prompt_rows, rollout_id_for)
-from vgbs_ray.envs.episode import DigitEpisode, EpisodeError
+from vgbs_ray.envs.episode import DigitEpisode, EpisodeError, EpisodeGroup
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.microbatch import pack_micro_batch
 from vgbs_ray.off_policy import OffPolicyConfig
@@ -122,6 +122,23 @@ def test_samples_per_turn_and_transcript_are_valid_rollouts_with_versions():
     assert whole.loss_mask.tolist() == [1, 0, 1] and whole.rollout_log_probs.tolist() == [-0.5, 0.0, -1.5]
     assert (whole.policy_version_min, whole.policy_version_max) == (3, 4)
     assert whole.tokens.tolist() == per_turn[1].tokens.tolist()
+
+
+def test_an_episode_group_drives_its_members_and_yields_grouped_rollouts():
+    prompt = prompt_at(TASK, 4, 0)
+    group = EpisodeGroup(TASK, prompt, group_size=3)
+    assert group.rollout_ids == ["s4-p0-r0", "s4-p0-r1", "s4-p0-r2"]
+    wrong = (prompt.answer + 2) % 10
+    for turn in range(TASK.max_turns):
+        live = group.live()
+        for (rollout_id, episode) in live:  # r0 right at once, r1 right on retry, r2 never
+            right = rollout_id.endswith("r0") or (rollout_id.endswith("r1") and turn == 1)
+            episode.submit([prompt.answer if right else wrong], [-1.0], turn)
+    assert group.done and group.live() == []
+    assert group.rewards() == {"s4-p0-r0": 1.0, "s4-p0-r1": 0.5, "s4-p0-r2": 0.0}
+    rows = group.to_samples()
+    assert [r["rollout_id"] for r in rows] == ["s4-p0-r0", "s4-p0-r1", "s4-p0-r1", "s4-p0-r2", "s4-p0-r2"]
+    assert {(r["group_id"], r["group_size"]) for r in rows} == {("s4-p0", 3)}
 
 
 def test_uniform_policy_earns_the_chance_reward_and_fits_the_length_bound():

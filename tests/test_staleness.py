@@ -10,7 +10,8 @@ from tests.staleness_sim import RULE_SETS, SimConfig, simulate
 from vgbs_ray.errors import ConfigError, RolloutValidationError
 from vgbs_ray.sample import Sample, validate_sample
 from vgbs_ray.staleness import (STALE_REASON, RolloutVersions, admit_rollouts, check_admission_config,
-                                last_chance_in_flight, oldest_first, rollout_versions, split_stale, staleness)
+                                last_chance_in_flight, oldest_first, rollout_versions, split_stale, staleness,
+                                staleness_stats)
 
 
 def sample(index=0, **versions):
@@ -54,6 +55,12 @@ def test_staleness_is_trained_minus_oldest_and_refuses_the_future():
     assert staleness(7, 5) == 2 and staleness(5, 5) == 0
     with pytest.raises(ValueError, match="future"):
         staleness(4, 5)
+
+
+def test_step_staleness_stats_leave_unversioned_rollouts_out():
+    stats = staleness_stats([5, 3, None, 5], trained_version=5)
+    assert (stats.mean, stats.max, stats.versioned) == (2 / 3, 2, 3)
+    assert staleness_stats([None], trained_version=5) == staleness_stats([], trained_version=5)
 
 
 def test_split_stale_keeps_the_bound_inclusive_and_the_order():

@@ -86,6 +86,23 @@ def staleness(trained_version: int, oldest_version: int) -> int:
 
 
 @dataclass(frozen=True)
+class StalenessStats:
+    """One step's staleness, for the per-step line and metrics."""
+
+    mean: float
+    """Mean over the step's versioned rollouts (0.0 when none is versioned)."""
+    max: int
+    versioned: int
+    """How many of the step's rollouts carry versions."""
+
+
+def staleness_stats(oldest_versions: Iterable[int | None], *, trained_version: int) -> StalenessStats:
+    """Mean and max staleness of the rollouts a step trains (unversioned ones are left out)."""
+    lags = [staleness(trained_version, oldest) for oldest in oldest_versions if oldest is not None]
+    return StalenessStats(sum(lags) / len(lags) if lags else 0.0, max(lags, default=0), len(lags))
+
+
+@dataclass(frozen=True)
 class StaleSplit:
     """Candidates of one step, in their given order: trainable ones and ones dropped as stale."""
 

@@ -6,6 +6,16 @@
         episode.submit(out.token_ids, out.log_probs, out.policy_version)
     rows = episode.to_samples(rollout_id_for(prompt, k), group_id=prompt.prompt_id, group_size=8)
 
+or a whole GRPO group at once (one batched generate per turn for its live episodes):
+
+    group = EpisodeGroup(task, prompt, group_size=8)
+    while not group.done:
+        live = group.live()
+        outs = engine.generate([e.context() for _, e in live], max_tokens=1)
+        for (_, e), out in zip(live, outs):
+            e.submit(out.token_ids, out.log_probs, out.policy_version)
+    rows = group.to_samples()
+
 Turn t: the model answers one token after `context()`. Right: the episode ends with reward
 `turn_rewards[t]`. Wrong: the environment replies with one feedback token (HIGHER, LOWER or
 NOT_DIGIT) appended to the context, and the model retries; after the last turn a wrong
@@ -33,7 +43,8 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from vgbs_ray.envs.digits import HIGHER, LOWER, NOT_DIGIT, NUM_DIGITS, DigitTaskConfig, Prompt, render
+from vgbs_ray.envs.digits import (HIGHER, LOWER, NOT_DIGIT, NUM_DIGITS, DigitTaskConfig, Prompt, render,
+                                  rollout_id_for)
 
 
 @dataclass(frozen=True)
@@ -117,6 +128,38 @@ class DigitEpisode:
         for turn in self.turns:
             tokens += [turn.answer] + ([turn.feedback] if turn.feedback is not None else [])
         return f"{render(tokens)} -> {self.reward}"
+
+
+class EpisodeGroup:
+    """The `group_size` rollouts answering one prompt (a GRPO group), with their rollout ids
+    `rollout_id_for(prompt, 0..group_size-1)` and group id `prompt.prompt_id`."""
+
+    def __init__(self, task: DigitTaskConfig, prompt: Prompt, *, group_size: int):
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        self.prompt = prompt
+        self.episodes = {rollout_id_for(prompt, m): DigitEpisode(task, prompt) for m in range(group_size)}
+
+    @property
+    def rollout_ids(self) -> list[str]:
+        return list(self.episodes)
+
+    @property
+    def done(self) -> bool:
+        return all(e.done for e in self.episodes.values())
+
+    def live(self) -> list[tuple[str, DigitEpisode]]:
+        """(rollout id, episode) of every episode that still needs an answer, in member order."""
+        return [(rid, e) for rid, e in self.episodes.items() if not e.done]
+
+    def rewards(self) -> dict[str, float]:
+        return {rid: e.reward for rid, e in self.episodes.items()}
+
+    def to_samples(self, *, one_sample_per_turn: bool = True) -> list[dict]:
+        """Every rollout's sample dicts, grouped (group_id = prompt id, group_size = members)."""
+        return [row for rid, e in self.episodes.items()
+                for row in e.to_samples(rid, group_id=self.prompt.prompt_id, group_size=len(self.episodes),
+                                        one_sample_per_turn=one_sample_per_turn)]
 
 
 def _feedback(answer: int, expected: int) -> int:
