@@ -143,7 +143,7 @@ def test_steps_pulled_from_the_scheduler_actor(dp2_group):
         assert results[1].consumed_rollouts - results[0].consumed_rollouts == 4
         stats = ray.get(scheduler.stats.remote(), timeout=60)
         assert stats.steps_trained == 2
-        for record, result in zip(stats.steps, results):  # the acks carried the ranks' (sum, count) pairs
+        for record, result in zip(stats.recent_steps, results):  # the acks carried the ranks' (sum, count) pairs
             assert record.trained and record.layout == "rollout_side"
             assert record.metrics["loss"] == pytest.approx(result.metric_pairs["loss"], rel=1e-6)
     finally:

@@ -137,7 +137,11 @@ def test_a_step_issues_only_the_gradient_and_grad_norm_sums():
     samples = make_samples(17, 8)
     layout = build_step_shards(samples, _schedule(samples, dp_size=2, max_tokens=100).steps[0], 0)
     legacy = build_legacy_shards(samples, 1, 2)
-    for rank, by_phase, num_params, _ in _record_collectives({"layout": layout, "legacy": legacy}):
+    # the scheduler may give a rank an empty legacy shard: it still joins every collective
+    lone = build_legacy_shards(make_samples(20, 1, max_siblings=1), 2, 2)
+    assert lone[1].num_samples == 0
+    phases = {"layout": layout, "legacy": legacy, "empty_legacy": lone}
+    for rank, by_phase, num_params, _ in _record_collectives(phases):
         calls, num_microbatches = by_phase["layout"]
         assert num_microbatches == layout[rank].num_microbatches > 1
         # exactly: Megatron DDP's gradient SUM (one flat buffer), then its optimizer's SUM of the squared
@@ -146,6 +150,7 @@ def test_a_step_issues_only_the_gradient_and_grad_norm_sums():
         legacy_calls, _ = by_phase["legacy"]
         assert legacy_calls[0][:2] == ("all_reduce", "MAX")  # the legacy path must agree on a count
         assert legacy_calls[1:] == calls
+        assert by_phase["empty_legacy"][0] == legacy_calls
 
 
 def test_a_pipelined_step_agrees_on_no_count():
