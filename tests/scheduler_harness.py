@@ -64,6 +64,18 @@ class Producer:
         return completed
 
 
+class Pusher:
+    """A producer that pushes one-sample rollouts s0, s1, ... in chunks, as fast as the scheduler takes them."""
+
+    def run(self, scheduler_name: str, num_rollouts: int, chunk: int) -> int:
+        scheduler = ray.get_actor(scheduler_name)
+        rows = [r for i in range(num_rollouts) for r in rollout_rows(f"s{i}", 1)]
+        for start in range(0, len(rows), chunk):
+            result = ray.get(scheduler.submit.remote(rows[start:start + chunk]), timeout=120)
+            assert result.accepted == len(rows[start:start + chunk]), result
+        return len(rows)
+
+
 class Gate:
     """A named actor the test opens once: stream blocks wait on it (events, never sleeps)."""
 
@@ -93,3 +105,32 @@ def gated_first_block(batch: dict) -> dict:
     if batch["seq"].min() == 0:
         ray.get(ray.get_actor(GATE_NAME).wait.remote(120), timeout=150)
     return batch
+
+
+class SimulatedRanks:
+    """Many train ranks in one asyncio actor: plain async callers of get_shard / ack_step, no Megatron.
+
+    Each (dp_rank, tp_rank) parks one get_shard per step, as a TrainActor does; TP rank 0 of each
+    DP rank fetches the shard, checks it is its own, and acks (one ack per DP rank).
+    """
+
+    async def run(self, scheduler_name: str, ranks: list[tuple[int, int]], num_steps: int, timeout_s: float) -> dict:
+        import asyncio
+
+        scheduler = ray.get_actor(scheduler_name)
+        delivered: dict[int, int] = {}
+
+        async def one_rank(dp_rank: int, tp_rank: int) -> None:
+            for step in range(num_steps):
+                ref = await scheduler.get_shard.remote(step, dp_rank, timeout_s=timeout_s)
+                assert ref.step == step and ref.rank == dp_rank, (ref.step, ref.rank, step, dp_rank)
+                delivered[step] = delivered.get(step, 0) + 1
+                if tp_rank == 0:
+                    shard = await ref.ref
+                    assert shard.rank == dp_rank and shard.step == step
+                    await scheduler.ack_step.remote(step, dp_rank, {"samples": (float(shard.num_samples), 1.0)})
+                else:  # a TP peer trains the same shard; it never acks
+                    await ref.ref
+
+        await asyncio.gather(*(one_rank(dp, tp) for dp, tp in ranks))
+        return delivered
