@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import ray
 
 from actors.train_config import ModelConfig
 from actors.train_group import TrainGroup
@@ -146,4 +147,36 @@ def test_pp4_vpp2_matches_pp1(ray_session):
         assert_same_update(expected, update)
         _assert_same_metrics(expected_result.metrics, result.metric_pairs)
     finally:
+        group.shutdown()
+
+
+@pytest.mark.slow
+def test_interleaved_steps_from_the_scheduler_actor_with_its_padding(ray_session):
+    """The SchedulerActor lays out for the group's (vpp, group) and pads a 1-sample partial step to 2 micro-batches."""
+    from actors.scheduler_actor import SchedulerConfig, create_scheduler
+    from tests.train_support import reference_update
+
+    config = sgd_config(model=FOUR_LAYERS, pp_size=2, vpp_size=2)
+    group = TrainGroup(config)
+    scheduler = create_scheduler(SchedulerConfig(batch=BatchConfig(global_batch_size=4, max_tokens_per_gpu=120)),
+                                 name="pipeline-test-scheduler")
+    try:
+        group.register_with(scheduler)
+        samples = make_samples(36, 5, max_siblings=1, id_prefix="piped")
+        assert ray.get(scheduler.submit.remote(samples), timeout=60).accepted == len(samples)
+        ray.get(scheduler.end_of_input.remote(), timeout=120)  # 5 rollouts: a full step of 4, a partial of 1
+        first = group.train_step(0, scheduler, shard_timeout_s=60)
+        assert first.num_rollouts == 4 and first.num_microbatches % 2 == 0
+        before = group.full_parameters()
+        second = group.train_step(1, scheduler, shard_timeout_s=60)
+        assert second.num_rollouts == 1 and second.num_microbatches == 2  # one real, one padding
+        assert second.metric_pairs["loss"][1] == pytest.approx(1)
+        record = ray.get(scheduler.step_record.remote(1), timeout=60)
+        assert record.padding_microbatches == 1
+        trained = [s for s in samples if s.rollout_id in set(record.rollout_ids)]
+        assert len(trained) == 1
+        expected = reference_update(config.model, before, trained, lr=second.lr)
+        assert_same_update(expected, update_between(before, group.full_parameters()))
+    finally:
+        ray.kill(scheduler)
         group.shutdown()
