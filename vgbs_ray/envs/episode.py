@@ -45,6 +45,7 @@ import numpy as np
 
 from vgbs_ray.envs.digits import (HIGHER, LOWER, NOT_DIGIT, NUM_DIGITS, DigitTaskConfig, Prompt, render,
                                   rollout_id_for)
+from vgbs_ray.errors import VgbsError
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class Turn:
     """The environment's reply token, None when the episode ended on this turn."""
 
 
-class EpisodeError(ValueError):
+class EpisodeError(VgbsError, ValueError):
     """A driver misused an episode (wrong response length, submit after the end)."""
 
 
