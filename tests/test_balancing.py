@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.schedule_invariants import assert_schedule_invariants
+from vgbs_ray import balancing
 from vgbs_ray.balancing import distribute
 from vgbs_ray.flops import TransformerFlopsModel
 from vgbs_ray.packing import first_fit_decreasing, split_to_alignment
@@ -22,7 +23,7 @@ BENCH_FLOPS_MODEL = TransformerFlopsModel(
 
 
 @st.composite
-def packed_steps(draw):
+def packed_steps(draw, modes=("none", "tokens", "flops")):
     """FFD bins of random lengths (some over the cap), aligned to dp, plus empty padding bins."""
     dp = draw(st.sampled_from([2, 3, 4, 8]))
     capacity = draw(st.integers(64, 1024))
@@ -30,7 +31,7 @@ def packed_steps(draw):
     lengths = rng.integers(1, int(capacity * draw(st.sampled_from([0.3, 1.0, 1.5]))) + 1, draw(st.integers(dp, 300)))
     bins = split_to_alignment(first_fit_decreasing(lengths, capacity), lengths, dp, capacity)
     bins += [[] for _ in range(dp * draw(st.integers(0, 2)))]
-    mode = draw(st.sampled_from(["none", "tokens", "flops"]))
+    mode = draw(st.sampled_from(modes))
     weights = FLOPS_MODEL.sequence_flops(lengths) if mode == "flops" else lengths.astype(np.float64)
     return bins, lengths, weights, dp, mode, capacity
 
@@ -55,6 +56,27 @@ def test_distribute_keeps_counts_cap_padding_and_lone_oversize_samples(step):
     for i in np.flatnonzero(lengths > capacity):
         assert [int(i)] in out
     assert ranks == distribute([list(b) for b in bins], lengths, weights, dp, mode=mode, capacity=capacity)
+
+
+@settings(max_examples=150, deadline=None)
+@given(packed_steps(modes=("tokens", "flops")))
+def test_every_scan_that_reports_a_transfer_lowers_the_heavy_rank(step):
+    """Phase 3's contract (a scan's first transfer must lower the heaviest rank's load); a scan
+    that reported success without one would let refinement spin to its scan limit."""
+    bins, lengths, weights, dp, mode, capacity = step
+    scan = balancing._scan
+
+    def checked(layout, heavy, allow_moves):
+        before = layout.loads[heavy]
+        transferred = scan(layout, heavy, allow_moves)
+        assert not transferred or layout.loads[heavy] < before
+        return transferred
+
+    balancing._scan = checked
+    try:
+        distribute([list(b) for b in bins], lengths, weights, dp, mode=mode, capacity=capacity)
+    finally:
+        balancing._scan = scan
 
 
 @settings(max_examples=60, deadline=None)

@@ -22,8 +22,8 @@ first; later phases move samples between them.
    brim (FFD's count already aligned) has only a bin's few spare tokens to trade at a
    time; batches make that a few dozen scans instead of hundreds.
    A transfer is scored by the new maximum of the two ranks' loads and must lower the
-   heavy rank's. Stops when the heaviest rank is within _TARGET_IMBALANCE of the mean or
-   has no improving transfer.
+   heavy rank's. Stops when the heaviest rank is within _TARGET_IMBALANCE of the mean, has
+   no improving transfer, or dp_size scans in a row barely lower the maximum (_MIN_GAIN).
 
 Constraints kept by every transfer: no bin exceeds the token cap; no bin becomes empty;
 a sample over the cap never moves; an empty (padding) bin stays empty; bins keep their
