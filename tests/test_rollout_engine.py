@@ -21,6 +21,8 @@ from actors.train_config import ModelConfig
 from actors.weight_sync import publish_weights
 from tests.train_support import ensure_single_process_group, make_samples, sgd_config
 
+pytestmark = pytest.mark.slow  # vLLM and Megatron actors: about a minute on 2 cores
+
 MODEL = ModelConfig(seed=7)
 PROMPTS = [[5, 17, 3, 99, 42], [1, 2, 3], list(range(30, 70))]
 
