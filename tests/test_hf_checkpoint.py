@@ -165,3 +165,26 @@ def test_a_model_config_that_differs_from_the_checkpoint_is_refused(hf_dir):
     ensure_single_process_group()
     with pytest.raises(ConfigError, match=r"vocab_size=128 \(checkpoint: 96\)"):
         build_gpt_model(ModelConfig(hf_checkpoint_dir=str(path)))
+
+
+@pytest.mark.slow
+def test_train_group_at_tp2_pp2_starts_from_the_checkpoint_and_publishes_it_back(hf_dir, ray_session):
+    """Every rank loads its TP shard of its pipeline stage's layers; the weight-sync export of the
+    whole group (TP gathered, stages joined, HF names) is the checkpoint bit for bit."""
+    from actors.hf_checkpoint import read_hf_weights
+    from actors.train_config import TrainGroupConfig
+    from actors.train_group import TrainGroup
+    from actors.weight_sync import publish_weights
+
+    path, _ = hf_dir
+    group = TrainGroup(TrainGroupConfig(tp_size=2, pp_size=2, model=model_config_for(path)))
+    try:
+        published = publish_weights(group, 0)
+        exported = ray_session.get(published.ref)
+    finally:
+        group.shutdown()
+    original = read_hf_weights(path)
+    assert set(exported) == set(original)
+    for name, tensor in original.items():
+        assert np.array_equal(exported[name], tensor.numpy()), name
+    assert published.num_bytes == sum(t.numel() * 4 for t in original.values())
