@@ -96,7 +96,8 @@ class EngineConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ConfigError("EngineConfig.gpu_memory_utilization must be in (0, 1], "
+                              f"got {self.gpu_memory_utilization}")
 
     @property
     def on_gpu(self) -> bool:
@@ -312,7 +313,8 @@ class EngineClient:
 class RolloutEnginePool:
     """The job's rollout engines: a placement group, one RolloutEngine actor per bundle (see module docstring)."""
 
-    def __init__(self, config: EngineConfig, model_dir: str, *, policy_version: int = 0, name_prefix: str = "rollout-engine"):
+    def __init__(self, config: EngineConfig, model_dir: str, *, policy_version: int = 0,
+                 name_prefix: str = "rollout-engine"):
         self.config = config
         self.names = [f"{name_prefix}-{i}" for i in range(config.num_engines)]
         self._pg = None
@@ -323,8 +325,9 @@ class RolloutEnginePool:
             self._pg = placement_group([dict(bundle) for _ in self.names], strategy=config.placement_strategy)
             ready, _ = ray.wait([self._pg.ready()], timeout=config.startup_timeout_s)
             if not ready:
-                raise EngineError(f"placement group for {config.num_engines} rollout engines of {bundle} not ready after "
-                                  f"{config.startup_timeout_s:.0f} s: lower num_engines or num_cpus_per_engine, or add nodes")
+                raise EngineError(f"placement group for {config.num_engines} rollout engines of {bundle} not ready "
+                                  f"after {config.startup_timeout_s:.0f} s: lower num_engines or num_cpus_per_engine, "
+                                  "or add nodes")
             env = _GPU_ENV if config.on_gpu else _CPU_ENV
             actor_class = ray.remote(RolloutEngine)
             self.engines = [
