@@ -39,7 +39,7 @@ class SchedulerConfig:
     max_concurrency: int = 4096
     """Calls the asyncio actor serves at once: every rank (TP and PP peers too) parks one get_shard,
     every producer one submit; size it above world_size + producers. A parked call costs no thread."""
-    step_record_window: int = 100
+    step_record_window: int = 16
     """Step records kept whole (the newest); older steps live on as totals in SchedulerStats."""
 
     def __post_init__(self):

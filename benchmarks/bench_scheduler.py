@@ -24,6 +24,10 @@ Latency. For gbs 512 (dp 8, dynamic packing) the driver pushes a step's rollouts
 last one alone, then pulls all 8 ShardRefs: it prints the scheduler's
 StepRecord.scheduling_latency_s (last rollout ready -> all shards in the store) and the
 driver's view (last submit sent -> every rank's shard gettable), median and max.
+
+Scale. The same at dp 256 x tp 4: 1,024 simulated ranks (async callers in SCALE_POOLS actors)
+park their get_shard before the step's last rollout is pushed; the driver's view is last
+submit sent -> all 1,024 ShardRefs returned.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ GBS = 512
 DP_SIZE = 8
 MAX_TOKENS_PER_GPU = 16384
 LATENCY_STEPS = 8
+SCALE_DP, SCALE_TP, SCALE_POOLS, SCALE_STEPS, SCALE_GBS = 256, 4, 4, 5, 1024
 TIMEOUT_S = 120
 
 
@@ -181,7 +186,7 @@ def latency(num_steps: int, rng) -> None:
         driver_s.append(time.perf_counter() - start)
         ray.get([scheduler.ack_step.remote(step, r) for r in range(DP_SIZE)], timeout=TIMEOUT_S)
         assert all(r is not None and r.step == step for r in refs)
-    records = ray.get(scheduler.stats.remote(), timeout=TIMEOUT_S).steps
+    records = ray.get(scheduler.stats.remote(), timeout=TIMEOUT_S).recent_steps
     sched_ms = [1e3 * r.scheduling_latency_s for r in records]
     driver_ms = [1e3 * s for s in driver_s]
     print(f"\n== scheduling latency: {num_steps} steps of gbs {GBS} ({GBS} samples, "
@@ -192,6 +197,50 @@ def latency(num_steps: int, rng) -> None:
     print(f"{'driver: last submit -> 8 ShardRefs returned':<44} {statistics.median(driver_ms):>10.1f} {max(driver_ms):>8.1f}")
     ray.get(scheduler.close.remote(), timeout=TIMEOUT_S)
     ray.kill(scheduler)
+
+
+class RankPool:
+    """Simulated ranks: parks one get_shard per (dp, tp) rank for a step; returns when all returned."""
+
+    def __init__(self, scheduler):
+        self._scheduler = scheduler
+
+    async def pull(self, step: int, dp_ranks: list[int]) -> float:
+        import asyncio
+
+        refs = await asyncio.gather(*(self._scheduler.get_shard.remote(step, r, timeout_s=TIMEOUT_S) for r in dp_ranks))
+        assert all(ref.step == step for ref in refs)
+        return time.perf_counter()
+
+
+def scale_latency(num_steps: int, rng) -> None:
+    scheduler = create_scheduler(SchedulerConfig(batch=BatchConfig(
+        global_batch_size=SCALE_GBS, max_tokens_per_gpu=MAX_TOKENS_PER_GPU, leftover="drop")), name="bench-scale")
+    ray.get(scheduler.register_train_group.remote(ParallelConfig(dp_size=SCALE_DP)), timeout=TIMEOUT_S)
+    pools = [ray.remote(RankPool).options(num_cpus=0, max_concurrency=4096).remote(scheduler) for _ in range(SCALE_POOLS)]
+    ranks = [dp for dp in range(SCALE_DP) for _ in range(SCALE_TP)]
+    driver_ms = []
+    for step in range(num_steps):
+        samples = [s for b in make_batches(f"scale{step}", SCALE_GBS // BATCH_SAMPLES, rng) for s in b]
+        parked = [pool.pull.remote(step, ranks[i::SCALE_POOLS]) for i, pool in enumerate(pools)]
+        head = samples[:-1]
+        push(scheduler, [head[i:i + BATCH_SAMPLES] for i in range(0, len(head), BATCH_SAMPLES)])
+        time.sleep(0.5)  # let every pull park (outside the timing)
+        start = time.perf_counter()
+        ray.get(scheduler.submit.remote([samples[-1]]), timeout=TIMEOUT_S)
+        done = max(ray.get(parked, timeout=TIMEOUT_S))
+        driver_ms.append(1e3 * (done - start))
+        ray.get([scheduler.ack_step.remote(step, r) for r in range(SCALE_DP)], timeout=TIMEOUT_S)
+    records = ray.get(scheduler.stats.remote(), timeout=TIMEOUT_S).recent_steps
+    sched_ms = [1e3 * r.scheduling_latency_s for r in records]
+    print(f"\n== scale: {num_steps} steps of gbs {SCALE_GBS}, dp {SCALE_DP} x tp {SCALE_TP} = "
+          f"{SCALE_DP * SCALE_TP} parked get_shard calls per step")
+    print(f"{'':<48} {'median ms':>10} {'max ms':>8}")
+    print(f"{'scheduler: last rollout ready -> 256 shards put':<48} {statistics.median(sched_ms):>10.1f} {max(sched_ms):>8.1f}")
+    print(f"{'driver: last submit -> 1,024 ShardRefs returned':<48} {statistics.median(driver_ms):>10.1f} {max(driver_ms):>8.1f}")
+    ray.get(scheduler.close.remote(), timeout=TIMEOUT_S)
+    for actor in [scheduler, *pools]:
+        ray.kill(actor)
 
 
 def main() -> None:
@@ -206,9 +255,11 @@ def main() -> None:
         if args.quick:
             throughput(2, 16, rng)
             latency(2, rng)
+            scale_latency(2, rng)
         else:
             throughput(ROUNDS, ROUND_BATCHES, rng)
             latency(LATENCY_STEPS, rng)
+            scale_latency(SCALE_STEPS, rng)
     finally:
         ray.shutdown()
     print(f"\ntotal {time.perf_counter() - start:.0f} s")

@@ -1,0 +1,110 @@
+"""SchedulerActor memory over a long run: resident memory after 10k, 100k and 1M rollouts.
+
+    python benchmarks/bench_scheduler_memory.py [--rollouts 1000000]
+
+One-sample rollouts of TOKENS tokens are pushed in batches of BATCH (ids "m<i>": ~8 characters)
+while a consumer actor pulls every step's ShardRefs and acks them (it does not fetch the shards),
+so every rollout ends trained and settles in the ledger. At each checkpoint the driver reads the
+scheduler process's resident memory (/proc, same machine) after the steps drained, and prints the
+growth per rollout between checkpoints: what a run keeps per trained rollout (goal: a few tens of
+bytes). It reads RssAnon, the process's private memory: VmRSS also counts the pages of the shared
+object store that the process has written shards into, which grow to the store's size and say
+nothing about what the scheduler keeps (both are printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import time
+
+import numpy as np
+import ray
+
+from actors.scheduler_actor import SchedulerConfig, create_scheduler
+from vgbs_ray.config import BatchConfig, ParallelConfig
+
+TOKENS = 16
+BATCH = 1000
+GBS = 5000
+DP_SIZE = 8
+CHECKPOINTS = (10_000, 100_000, 1_000_000)
+TIMEOUT_S = 600
+
+
+class Consumer:
+    """Pulls every rank's ShardRef of every step and acks it (a train group that trains instantly)."""
+
+    def __init__(self, scheduler):
+        self._scheduler = scheduler
+
+    def run(self) -> int:
+        step = 0
+        while True:
+            refs = ray.get([self._scheduler.get_shard.remote(step, r, timeout_s=TIMEOUT_S) for r in range(DP_SIZE)])
+            if refs[0] is None:
+                return step
+            ray.get([self._scheduler.ack_step.remote(step, r) for r in range(DP_SIZE)])
+            step += 1
+
+
+def rss_bytes(pid: int, field: str = "RssAnon") -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} for pid {pid}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollouts", type=int, default=CHECKPOINTS[-1])
+    args = parser.parse_args()
+    checkpoints = [c for c in CHECKPOINTS if c <= args.rollouts]
+    ray.init(address="local", num_cpus=8, include_dashboard=False, object_store_memory=512 << 20,
+             logging_level="ERROR", log_to_driver=False)
+    try:
+        scheduler = create_scheduler(SchedulerConfig(
+            batch=BatchConfig(global_batch_size=GBS, max_tokens_per_gpu=4096, leftover="drop")), name="bench-memory")
+        ray.get(scheduler.register_train_group.remote(ParallelConfig(dp_size=DP_SIZE)), timeout=TIMEOUT_S)
+        pid = ray.get(scheduler.__ray_call__.remote(lambda self: os.getpid()), timeout=TIMEOUT_S)
+        consumer = ray.remote(Consumer).options(num_cpus=0).remote(scheduler)
+        consumer_run = consumer.run.remote()
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, 1000, TOKENS, dtype=np.int64)
+        mask = np.ones(TOKENS // 2, dtype=np.int8)
+        print(f"{'rollouts':>10} {'private MiB':>12} {'bytes/rollout since last':>26} {'settled-table bytes/rollout':>28} "
+              f"{'VmRSS MiB':>10} {'push s':>7}")
+        pushed, last_rss, last_count, start = 0, rss_bytes(pid), 0, time.perf_counter()
+        for checkpoint in checkpoints:
+            in_flight = []
+            while pushed < checkpoint:
+                batch = [dict(rollout_id=f"m{pushed + i}", tokens=tokens, response_length=TOKENS // 2, loss_mask=mask,
+                              reward=1.0, advantage=0.5) for i in range(min(BATCH, checkpoint - pushed))]
+                pushed += len(batch)
+                in_flight.append(scheduler.submit.remote(batch))
+                if len(in_flight) >= 4:
+                    ray.get(in_flight.pop(0), timeout=TIMEOUT_S)
+            ray.get(in_flight, timeout=TIMEOUT_S)
+            deadline = time.monotonic() + TIMEOUT_S
+            while (stats := ray.get(scheduler.stats.remote(), timeout=TIMEOUT_S)).steps_trained < pushed // GBS:
+                assert time.monotonic() < deadline, "steps did not drain"
+                time.sleep(0.05)
+            ray.get(scheduler.__ray_call__.remote(lambda self: gc.collect()), timeout=TIMEOUT_S)
+            rss = rss_bytes(pid)
+            table = ray.get(scheduler.__ray_call__.remote(lambda self: self.ledger.settled_nbytes()), timeout=TIMEOUT_S)
+            trained = stats.ledger.rollouts_by_state["trained"]
+            print(f"{pushed:>10} {rss / 2**20:>12.1f} {(rss - last_rss) / (pushed - last_count):>26.1f} "
+                  f"{table / max(trained, 1):>28.1f} {rss_bytes(pid, 'VmRSS') / 2**20:>10.1f} "
+                  f"{time.perf_counter() - start:>7.0f}", flush=True)
+            last_rss, last_count = rss, pushed
+        print("goal: growth per rollout of a few tens of bytes (the settled table, plus noise of the allocator)")
+        ray.get(scheduler.end_of_input.remote(), timeout=TIMEOUT_S)
+        ray.get(consumer_run, timeout=TIMEOUT_S)
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
