@@ -125,6 +125,17 @@ def test_a_request_longer_than_the_engine_allows_is_refused(system):
         engines.generate([[1, 2], [3] * (limit - 4)], SamplingConfig(max_tokens=8))
 
 
+def test_a_stop_token_ends_the_response_and_keeps_its_log_prob(system):
+    _, engines, _ = system
+    [greedy] = engines.generate(PROMPTS[:1], SamplingConfig(max_tokens=8, temperature=0.0))
+    stop = int(greedy.response_token_ids[2])
+    first = list(greedy.response_token_ids).index(stop)
+    [stopped] = engines.generate(PROMPTS[:1], SamplingConfig(max_tokens=8, temperature=0.0, stop_token_ids=(stop,)))
+    assert stopped.finish_reason == "stop"
+    assert stopped.response_token_ids.tolist() == greedy.response_token_ids[:first + 1].tolist()
+    assert np.array_equal(stopped.response_log_probs, greedy.response_log_probs[:first + 1])
+
+
 def test_concurrent_async_callers_through_a_pickled_client_match_one_blocking_call(system):
     """What producers use: `EngineClient` travels to other actors; concurrent calls are batched by the engine."""
     _, engines, _ = system
