@@ -101,7 +101,7 @@ def model_config_from_hf(path: str | Path, **overrides) -> ModelConfig:
         norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=hf["max_position_embeddings"],
         params_dtype="bfloat16" if hf.get("dtype", hf.get("torch_dtype")) == "bfloat16" else "float32",
-        hf_checkpoint_dir=str(path),
+        hf_checkpoint_dir=str(Path(path).resolve()),  # absolute: Ray workers need not share the driver's cwd
     )
     fields.update(overrides)
     return ModelConfig(**fields)

@@ -179,7 +179,7 @@ def _load_initial_weights(model: GPTModel, config: ModelConfig) -> None:
     from actors.hf_checkpoint import load_hf_weights, model_config_from_hf, read_hf_weights
 
     path = config.hf_checkpoint_dir
-    expected = model_config_from_hf(path, seed=config.seed, params_dtype=config.params_dtype)
+    expected = model_config_from_hf(path, seed=config.seed, params_dtype=config.params_dtype, hf_checkpoint_dir=path)
     differ = [f"{f.name}={getattr(config, f.name)!r} (checkpoint: {getattr(expected, f.name)!r})"
               for f in fields(config) if getattr(config, f.name) != getattr(expected, f.name)]
     if differ:
