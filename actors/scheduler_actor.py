@@ -115,6 +115,8 @@ class _StepSlot:
     """An emitted step until every DP rank acknowledged it: its shards and who acked."""
 
     refs: list
+    rollouts: list
+    """The step's rollouts, kept until it is acknowledged (a rewind puts them back in front)."""
     num_rollouts: int
     acks: dict = field(default_factory=dict)
     """DP rank -> its (sum, count) metric pairs."""
@@ -138,6 +140,7 @@ class SchedulerActor:
         self._parallel: ParallelConfig | None = None
         self._advertise_layout = True
         self._slots: dict[int, _StepSlot] = {}
+        self._retained: dict[int, list[ReadyRollout]] = {}  # trained, not yet in a checkpoint (retain_until_checkpoint)
         self._records: OrderedDict[int, StepRecord] = OrderedDict()
         self._next_step = 0
         self._steps_trained = 0
@@ -156,12 +159,14 @@ class SchedulerActor:
         self._changed: _Signal | None = None     # any change the emitter or a waiting submit cares about
         self._published: _Signal | None = None   # a step was published, the stream ended, or a failure
         self._emitter: asyncio.Task | None = None
+        self._acting: asyncio.Lock | None = None       # held by the emitter while it carries out an action, and by rewind
         self._layout_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-layout")
 
     def _start(self) -> None:
         """On the event loop, at the first call: signals and the emitter coroutine."""
         if self._emitter is None:
             self._changed, self._published = _Signal(), _Signal()
+            self._acting = asyncio.Lock()
             self._emitter = asyncio.get_running_loop().create_task(self._emit_loop())
 
     # -- train side ------------------------------------------------------------------
@@ -231,7 +236,10 @@ class SchedulerActor:
         slot.acks[rank] = dict(metrics or {})
         if len(slot.acks) < len(slot.refs):
             return False
-        self.ledger.train_step(step)
+        retain = self.config.retain_until_checkpoint
+        self.ledger.train_step(step, settle=not retain)
+        if retain:
+            self._retained[step] = slot.rollouts
         del self._slots[step]  # the scheduler's references go; borrowers keep theirs alive
         if step in self._records:
             reduced = reduce_metric_pairs(slot.acks[r] for r in sorted(slot.acks))
@@ -240,6 +248,48 @@ class SchedulerActor:
         self._refresh_gauges()
         self._changed.notify()  # admission may reopen (max_steps_ahead)
         return True
+
+    async def checkpointed(self, next_step: int) -> None:
+        """A checkpoint holds every step < `next_step`: their rollouts are settled for good."""
+        self._start()
+        self.ledger.settle_through(next_step)
+        for step in [s for s in self._retained if s < next_step]:
+            del self._retained[step]
+
+    async def rewind(self, next_step: int) -> int:
+        """A new train group restored the checkpoint that holds every step < `next_step`.
+
+        Every later step (acknowledged but not checkpointed, or still in flight) did not happen:
+        its shards are released and its rollouts go back to the front of the buffer in their
+        original order, to train again exactly once; steps are numbered from `next_step` again.
+        Returns the number of rollouts put back. Raises LedgerError if such a step was
+        already declared checkpointed, or was trained without `retain_until_checkpoint`.
+        """
+        self._start()
+        self._raise_if_failed()
+        async with self._acting:  # never in the middle of an emission
+            missing = [s for s in range(next_step, self._next_step) if s not in self._slots and s not in self._retained]
+            if missing:
+                raise SchedulerStateError(
+                    f"cannot rewind to step {next_step}: step {missing[0]} was trained and its rollouts released; "
+                    "set SchedulerConfig.retain_until_checkpoint=True and call checkpointed(n) after each checkpoint")
+            self.ledger.rewind(next_step)
+            rollouts = []
+            for step in range(next_step, self._next_step):
+                slot = self._slots.pop(step, None)
+                rollouts += slot.rollouts if slot is not None else self._retained.pop(step)
+                self._records.pop(step, None)
+            self.intake.return_front(rollouts)
+            self._next_step = next_step
+            self._steps_trained = min(self._steps_trained, next_step)
+            if self._ended:  # the input had ended: end it again after the replayed steps
+                self._ended = False
+                self._request_flush("end_of_input", end_of_input=True)
+            self.log.warning("%s: rewound to step %d: %d rollouts back in front of the buffer",
+                             self.name, next_step, len(rollouts))
+            self._refresh_gauges()
+            self._changed.notify()
+            return len(rollouts)
 
     # -- producer side ---------------------------------------------------------------
     async def submit(self, samples: Sequence[Sample | dict[str, Any]], wait_s: float = 0.0) -> SubmitResult:
@@ -412,18 +462,19 @@ class SchedulerActor:
     async def _emit_loop(self) -> None:
         try:
             while True:
-                action = next_action(self._view(time.monotonic()))
+                async with self._acting:
+                    action = next_action(self._view(time.monotonic()))
+                    if isinstance(action, EmitFullStep):
+                        rollouts = self.intake.take_oldest(self.config.batch.global_batch_size)
+                        await self._emit(rollouts, "full", triggered_at=rollouts[-1].ready_at)
+                    elif isinstance(action, RunFlush):
+                        pending = self._flushes[action.index]
+                        del self._flushes[action.index]
+                        await self._run_flush(pending)
+                    elif isinstance(action, MaxWaitFlush):
+                        await self._run_flush(_PendingFlush(FlushRequest("max_wait", False), time.monotonic()))
                 if isinstance(action, WaitFor):
                     await self._changed.wait(action.timeout_s)
-                elif isinstance(action, EmitFullStep):
-                    rollouts = self.intake.take_oldest(self.config.batch.global_batch_size)
-                    await self._emit(rollouts, "full", triggered_at=rollouts[-1].ready_at)
-                elif isinstance(action, RunFlush):
-                    pending = self._flushes[action.index]
-                    del self._flushes[action.index]
-                    await self._run_flush(pending)
-                elif isinstance(action, MaxWaitFlush):
-                    await self._run_flush(_PendingFlush(FlushRequest("max_wait", False), time.monotonic()))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - fail loudly and for good, never spin or hang
@@ -504,7 +555,7 @@ class SchedulerActor:
         )
         self.ledger.schedule(ids, step)
         self.intake.settle(ids)
-        self._slots[step] = _StepSlot(refs=refs, num_rollouts=len(ids))
+        self._slots[step] = _StepSlot(refs=refs, rollouts=rollouts, num_rollouts=len(ids))
         self._records[step] = record
         while len(self._records) > self.config.step_record_window:
             self._records.popitem(last=False)

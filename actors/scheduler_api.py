@@ -39,6 +39,10 @@ class SchedulerConfig:
     max_concurrency: int = 4096
     """Calls the asyncio actor serves at once: every rank (TP and PP peers too) parks one get_shard,
     every producer one submit; size it above world_size + producers. A parked call costs no thread."""
+    retain_until_checkpoint: bool = False
+    """Keep each trained step's rollouts (and their ledger entries live) until `checkpointed(n)` says a
+    checkpoint holds the step, so `rewind(n)` can train them again after a train group restarts from
+    that checkpoint. Without it only steps not yet acknowledged can be rewound."""
     step_record_window: int = 16
     """Step records kept whole (the newest); older steps live on as totals in SchedulerStats."""
 

@@ -119,3 +119,24 @@ def test_settled_ledger_grows_a_few_tens_of_bytes_per_rollout():
     assert per_rollout < 64, per_rollout
     assert ledger.get("prompt-7/rollout-3").step == 7 and ledger.get("prompt-7/rollout-500") is None
     assert sys.getsizeof(ledger._live) < 50_000  # bounded by the live (in-flight) rollouts, not the run
+
+
+def test_rewind_puts_unsettled_steps_back_and_they_train_once():
+    ledger = Ledger()
+    for rid in "abcdef":
+        ledger.accept_sample(rid)
+    for step, ids in enumerate([("a", "b"), ("c", "d"), ("e", "f")]):
+        ledger.schedule(ids, step)
+    ledger.train_step(0, settle=False)
+    ledger.train_step(1, settle=False)  # step 2 is scheduled, not trained (the group died mid-step)
+    ledger.settle_through(1)            # a checkpoint holds step 0
+    ledger.check()
+    assert ledger.rewind(1) == [("c", "d"), ("e", "f")]
+    assert [ledger.state(r) for r in "abcdef"] == [RolloutState.TRAINED] * 2 + [RolloutState.BUFFERED] * 4
+    ledger.check()
+    ledger.schedule(["c", "d", "e"], 1)  # the rewound rollouts train again, once, in new steps
+    ledger.train_step(1)
+    assert ledger.get("c").step == 1 and ledger.summary().rollouts_by_state["trained"] == 5
+    with pytest.raises(LedgerError, match="already settled"):
+        ledger.rewind(1)
+    ledger.check()

@@ -232,3 +232,44 @@ def test_gc_thresholds_are_relaxed_only_in_the_scheduler_process(scheduler_facto
     in_actor = ray.get(scheduler.__ray_call__.remote(lambda self: gc.get_threshold()), timeout=60)
     assert tuple(in_actor) == _GC_THRESHOLDS
     assert gc.get_threshold() != _GC_THRESHOLDS  # the driver (this test process) keeps its own
+
+
+def test_rewind_replays_the_steps_after_a_checkpoint_in_order_exactly_once(scheduler_factory):
+    scheduler = scheduler_factory("sched-rewind", batch=BatchConfig(global_batch_size=2, max_tokens_per_gpu=64),
+                                  retain_until_checkpoint=True)
+    call(scheduler.register_train_group, ParallelConfig(dp_size=1))
+    call(scheduler.submit, [r for i in range(8) for r in rollout_rows(f"w{i}", 1)])
+    first = {}
+    for step in range(4):
+        ref = call(scheduler.get_shard, step, 0, timeout_s=30)
+        first[step] = ray.get(ref.ref, timeout=30).rollout_ids
+        if step < 3:  # step 3 is in flight when the train group dies
+            call(scheduler.ack_step, step, 0)
+    call(scheduler.checkpointed, 1)  # the last checkpoint holds step 0 only
+    assert call(scheduler.rewind, 1) == 6
+    replayed = {}
+    for step in range(1, 4):
+        ref = call(scheduler.get_shard, step, 0, timeout_s=30)
+        replayed[step] = ray.get(ref.ref, timeout=30).rollout_ids
+        call(scheduler.ack_step, step, 0)
+    assert replayed == {step: first[step] for step in range(1, 4)}  # same rollouts, same order
+    call(scheduler.checkpointed, 4)
+    stats = call(scheduler.stats, include_rollouts=True, check_ledger=True)
+    assert stats.ledger.rollouts_by_state["trained"] == 8 and stats.steps_trained == 4
+    assert {rid: state[1] for rid, state in stats.rollout_states.items()} == {
+        rid: step for step, ids in first.items() for rid in ids}
+    with pytest.raises(SchedulerStateError, match="already settled|released"):
+        call(scheduler.rewind, 2)
+
+
+def test_rewind_without_retention_covers_only_unacknowledged_steps(scheduler_factory):
+    scheduler = scheduler_factory("sched-rewind-plain", batch=BatchConfig(global_batch_size=2, max_tokens_per_gpu=64))
+    call(scheduler.register_train_group, ParallelConfig(dp_size=1))
+    call(scheduler.submit, [r for i in range(4) for r in rollout_rows(f"v{i}", 1)])
+    call(scheduler.get_shard, 1, 0, timeout_s=30)
+    call(scheduler.ack_step, 0, 0)
+    with pytest.raises(SchedulerStateError, match="retain_until_checkpoint"):
+        call(scheduler.rewind, 0)
+    assert call(scheduler.rewind, 1) == 2  # step 1 was in flight: it comes back
+    assert ray.get(call(scheduler.get_shard, 1, 0, timeout_s=30).ref, timeout=30).rollout_ids in (["v2", "v3"], ["v3", "v2"])
+    call(scheduler.stats, check_ledger=True)

@@ -15,6 +15,11 @@ Rejections are events about *samples*, not rollout states: a rejected sample lea
 rollout's state alone (a rollout none of whose samples was accepted has no state). They are
 counted by rule and the latest `recent_rejections_limit` are kept (`recent_rejections`).
 
+Recovery. `train_step(k, settle=False)` keeps step k's rollouts live as TRAINED until
+`settle_through(n)` says a checkpoint holds every step < n; `rewind(n)` puts the rollouts of
+every step >= n that is not settled (trained or only scheduled) back to BUFFERED, so they
+train again, once, after the train group restored the checkpoint of step n.
+
 Invariants (`check()`, tests/test_ledger.py): every accepted rollout is in exactly one state
 (accepted = buffered + scheduled + trained + dropped: none disappears); a rollout is
 scheduled in at most one step and trained at most once, in the step it was scheduled in;
@@ -85,6 +90,7 @@ class Ledger:
         self._live: dict[Hashable, LedgerEntry] = {}
         self._settled = SettledIds()
         self._pending_steps: dict[int, tuple] = {}   # scheduled, not yet trained
+        self._unsettled_steps: dict[int, tuple] = {}  # trained, kept live until a checkpoint holds them
         self._last_scheduled_step = -1
         self._num_accepted = 0
         self._by_state: Counter = Counter()
@@ -152,8 +158,11 @@ class Ledger:
         self._pending_steps[step] = ids
         self._last_scheduled_step = step
 
-    def train_step(self, step: int) -> tuple:
-        """Every rollout of `step` becomes TRAINED(step); returns their ids."""
+    def train_step(self, step: int, *, settle: bool = True) -> tuple:
+        """Every rollout of `step` becomes TRAINED(step); returns their ids.
+
+        settle=False keeps them live (rewindable) until `settle_through` passes the step.
+        """
         ids = self._pending_steps.get(step)
         if ids is None:
             if 0 <= step <= self._last_scheduled_step:
@@ -164,12 +173,50 @@ class Ledger:
             if old is None or old.state is not RolloutState.SCHEDULED or old.step != step:
                 raise LedgerError(f"rollout {rid!r}: expected scheduled in step {step}, is {old}")
         del self._pending_steps[step]
-        for rid in ids:
-            del self._live[rid]
-            self._settled.add(rid, step=step)
+        if settle:
+            for rid in ids:
+                del self._live[rid]
+                self._settled.add(rid, step=step)
+        else:
+            trained = LedgerEntry(RolloutState.TRAINED, step=step)
+            for rid in ids:
+                self._live[rid] = trained
+            self._unsettled_steps[step] = ids
         self._by_state[RolloutState.SCHEDULED] -= len(ids)
         self._by_state[RolloutState.TRAINED] += len(ids)
         return ids
+
+    def settle_through(self, next_step: int) -> None:
+        """A checkpoint holds every step < `next_step`: their trained rollouts settle for good."""
+        for step in sorted(s for s in self._unsettled_steps if s < next_step):
+            for rid in self._unsettled_steps.pop(step):
+                del self._live[rid]
+                self._settled.add(rid, step=step)
+
+    def rewind(self, next_step: int) -> list[tuple]:
+        """Steps >= `next_step` did not happen (the train group restored an older checkpoint).
+
+        Their rollouts, trained-but-unsettled or only scheduled, become BUFFERED again; returns
+        each such step's rollout ids, in step order. Raises LedgerError if one of those steps
+        already settled (its rollouts could not train again without training twice).
+        """
+        settled_after = [s for s in range(next_step, self._last_scheduled_step + 1)
+                         if s not in self._unsettled_steps and s not in self._pending_steps]
+        if settled_after:
+            raise LedgerError(f"cannot rewind to step {next_step}: step {settled_after[0]} already settled "
+                              "(settle_through was told a checkpoint holds it)")
+        steps = sorted(s for s in [*self._unsettled_steps, *self._pending_steps] if s >= next_step)
+        rewound = []
+        for step in steps:
+            trained = step in self._unsettled_steps
+            ids = self._unsettled_steps.pop(step) if trained else self._pending_steps.pop(step)
+            for rid in ids:
+                self._live[rid] = _BUFFERED
+            self._by_state[RolloutState.TRAINED if trained else RolloutState.SCHEDULED] -= len(ids)
+            self._by_state[RolloutState.BUFFERED] += len(ids)
+            rewound.append(ids)
+        self._last_scheduled_step = next_step - 1
+        return rewound
 
     def drop(self, rollout_id: Hashable, reason: str) -> None:
         self._expect(rollout_id, RolloutState.BUFFERED, "dropped")
@@ -220,6 +267,16 @@ class Ledger:
         scheduled = sum(1 for e in self._live.values() if e.state is RolloutState.SCHEDULED)
         if scheduled != len(listed):
             raise LedgerError(f"{scheduled} rollouts are scheduled but {len(listed)} are listed in pending steps")
+        for step, ids in self._unsettled_steps.items():
+            for rid in ids:
+                entry = self._live.get(rid)
+                if entry is None or entry.state is not RolloutState.TRAINED or entry.step != step or rid in listed:
+                    raise LedgerError(f"rollout {rid!r} listed as trained in step {step} but is {entry}")
+                listed[rid] = step
+        trained_live = sum(1 for e in self._live.values() if e.state is RolloutState.TRAINED)
+        if trained_live != sum(len(ids) for ids in self._unsettled_steps.values()):
+            raise LedgerError(f"{trained_live} live trained rollouts but the unsettled steps list "
+                              f"{sum(len(ids) for ids in self._unsettled_steps.values())}")
 
 
 _BUFFERED = LedgerEntry(RolloutState.BUFFERED)
