@@ -46,6 +46,7 @@ from vgbs_ray.shard import build_legacy_shards
 
 HIDDEN, LAYERS, HEADS, FFN = 128, 2, 4, 256
 LR = 1e-3
+CLIP_GRAD_NORM = 1.0  # the trainer's default (OptimizerConfig.clip_grad_norm)
 GROUP_SIZE = 8
 TARGET_REWARD, WINDOW_STEPS = 0.8, 10
 MAX_STEPS = 300
@@ -189,6 +190,7 @@ def run(rule: str, prompts_per_step: int, staleness: int, seed: int, max_steps: 
                                        proximal_log_probs=proximal)
             optimizer.zero_grad()
             loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD_NORM)
             optimizer.step()
             trained += shard.num_rollouts
         snapshots.append(copy.deepcopy(model))
@@ -213,7 +215,7 @@ def main() -> None:
     task = DigitTaskConfig()
     print(f"digit task: vocab {VOCAB_SIZE}, max sequence {task.max_sequence_length} tokens, turn rewards "
           f"{task.turn_rewards}, chance reward {task.chance_reward():.3f}; model {LAYERS}x{HIDDEN}, {HEADS} heads; "
-          f"Adam {args.lr}; groups of {GROUP_SIZE}; target: mean reward >= {TARGET_REWARD} over {WINDOW_STEPS} steps")
+          f"Adam {args.lr}, clip {CLIP_GRAD_NORM}; groups of {GROUP_SIZE}; target: mean reward >= {TARGET_REWARD} over {WINDOW_STEPS} steps")
     print(f"{'configuration':36} {'steps to target per seed':>30} {'median':>7} {'first10':>8} {'last10':>7} "
           f"{'rollouts':>9} {'s/run':>6}")
     for label, rule, prompts, staleness in configs:

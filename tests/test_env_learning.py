@@ -3,7 +3,7 @@
 Pure torch (benchmarks/bench_env_learning.py's tiny Llama and GRPO loop), no Ray: a guard
 that the environment, the advantages and `micro_batch_loss` together still teach a model,
 before any engine or trainer is involved. Measured over 5 seeds at 16 prompts x 8 rollouts
-a step: 45-58 steps to a mean reward of 0.8 on-policy, 54-66 at staleness 2 with decoupled
+a step: 46-55 steps to a mean reward of 0.8 on-policy, 52-63 at staleness 2 with decoupled
 PPO; the budget here is 150 steps.
 """
 
