@@ -1,0 +1,93 @@
+"""The job's failure policy: after a failure, restart the train group or stop the run.
+
+Ray Train v2's shape: the policy decides (`make_decision(status, max_failures)`), the job's
+controller acts (tear the group down, start a new one, restore the latest checkpoint,
+rewind the scheduler). Pure: no Ray, no clock; tested without either.
+
+Rules, in order:
+1. A failure the train group cannot cause and a new group cannot cure stops the run at once,
+   whatever the budget: the scheduler is gone (it held the only copy of the buffered rollouts
+   and the ledger since the last checkpoint) or it has no shard to give (input starved, or the
+   scheduler failed inside).
+2. Otherwise (a rank died, a rank raised in a step, a step or checkpoint timed out, a new group
+   could not start) the failure counts against `max_failures`: the group restarts while fewer
+   than `max_failures` failures came before this one; this one past the budget stops the run.
+   `max_failures=0` fails fast (the first failure stops the run).
+
+Invariant: a decision to restart implies `failures_before < max_failures` and a recoverable kind.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from vgbs_ray.errors import ConfigError
+
+
+class FailureKind(str, enum.Enum):
+    RANK_DIED = "rank_died"
+    """A TrainActor process died (killed, OOM, node lost); its peers' collectives broke."""
+    RANK_FAILED = "rank_failed"
+    """A rank raised during a step or a checkpoint (the others may be stuck in a collective)."""
+    TIMEOUT = "timeout"
+    """Ranks did not finish a step or a checkpoint within their timeout (a hung collective)."""
+    START_FAILED = "start_failed"
+    """A new train group could not start (placement group not ready, set-up failed)."""
+    NO_SHARD = "no_shard"
+    """The scheduler had no shard for the step: input starved past the shard timeout, or it failed inside."""
+    SCHEDULER_LOST = "scheduler_lost"
+    """The SchedulerActor died or does not answer."""
+
+
+RECOVERABLE = frozenset({FailureKind.RANK_DIED, FailureKind.RANK_FAILED, FailureKind.TIMEOUT,
+                         FailureKind.START_FAILED})
+"""Kinds a new train group restored from the latest checkpoint can cure."""
+
+
+class FailureAction(str, enum.Enum):
+    RESTART = "restart"
+    """Tear the train group down, start a new one, restore the latest checkpoint, rewind the scheduler."""
+    STOP = "stop"
+    """Stop the run and raise the failure (with the decision's reason)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureStatus:
+    kind: FailureKind
+    failures_before: int
+    """Failures this run already recovered from (not counting this one)."""
+
+    def __post_init__(self):
+        if not isinstance(self.kind, FailureKind):
+            raise ConfigError(f"FailureStatus.kind must be a FailureKind, got {self.kind!r}")
+        if self.failures_before < 0:
+            raise ConfigError(f"FailureStatus.failures_before must be >= 0, got {self.failures_before}")
+
+
+@dataclass(frozen=True)
+class FailureDecision:
+    action: FailureAction
+    reason: str
+    """One sentence for the log and the error: why, and what setting changes it."""
+
+
+def make_decision(status: FailureStatus, max_failures: int) -> FailureDecision:
+    """Restart or stop after one failure (see module docstring). O(1), pure."""
+    if max_failures < 0:
+        raise ConfigError(f"max_failures must be >= 0, got {max_failures}")
+    kind, before = status.kind, status.failures_before
+    if kind is FailureKind.SCHEDULER_LOST:
+        return FailureDecision(FailureAction.STOP, "the SchedulerActor is gone: the rollouts it buffered and its "
+                               "ledger since the latest checkpoint went with it; resume with run.resume=true")
+    if kind not in RECOVERABLE:
+        return FailureDecision(FailureAction.STOP, f"{kind.value}: a new train group would get no shard either; "
+                               "check the producers and the scheduler (or raise run.shard_timeout_s)")
+    if before >= max_failures:
+        if max_failures == 0:
+            return FailureDecision(FailureAction.STOP, f"{kind.value} with run.max_failures=0 (fail fast); "
+                                   "set run.max_failures > 0 to recover in the job")
+        return FailureDecision(FailureAction.STOP, f"{kind.value}: failure {before + 1} exceeds "
+                               f"run.max_failures={max_failures}; raise it to recover more often")
+    return FailureDecision(FailureAction.RESTART, f"{kind.value}: failure {before + 1} of at most {max_failures}; "
+                           "restarting the train group from the latest checkpoint")
