@@ -244,6 +244,7 @@ class SchedulerActor:
         if step in self._records:
             reduced = reduce_metric_pairs(slot.acks[r] for r in sorted(slot.acks))
             self._records[step] = replace(self._records[step], trained=True, metrics=reduced)
+            self._trim_records()
         self._steps_trained += 1
         self._refresh_gauges()
         self._changed.notify()  # admission may reopen (max_steps_ahead)
@@ -360,12 +361,13 @@ class SchedulerActor:
 
     # -- reports ---------------------------------------------------------------------
     async def step_record(self, step: int) -> StepRecord:
-        """The record of one step (within the newest `step_record_window` steps). O(1)."""
+        """The record of one step: any step not yet trained, or one of the newest
+        `step_record_window` records of trained steps. O(1)."""
         record = self._records.get(step)
         if record is None:
             raise SchedulerStateError(
                 f"no record of step {step}: {self._next_step} steps emitted, the newest "
-                f"{self.config.step_record_window} are kept (SchedulerConfig.step_record_window)")
+                f"{self.config.step_record_window} trained ones are kept (SchedulerConfig.step_record_window)")
         return record
 
     async def stats(self, include_rollouts: bool = False, check_ledger: bool = False) -> SchedulerStats:
@@ -557,8 +559,7 @@ class SchedulerActor:
         self.intake.settle(ids)
         self._slots[step] = _StepSlot(refs=refs, rollouts=rollouts, num_rollouts=len(ids))
         self._records[step] = record
-        while len(self._records) > self.config.step_record_window:
-            self._records.popitem(last=False)
+        self._trim_records()
         self._next_step += 1
         self._partial_steps += record.partial
         self._padded_steps += record.padding_microbatches > 0
@@ -604,6 +605,15 @@ class SchedulerActor:
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
             raise SchedulerStateError(f"scheduler {self.name!r} failed: {self._failure}")
+
+    def _trim_records(self) -> None:
+        """Keep every untrained step's record (the train side reads it after the step) and the newest
+        trained ones up to step_record_window: evict only trained records, oldest first."""
+        while len(self._records) > self.config.step_record_window:
+            oldest = next(iter(self._records.values()))
+            if not oldest.trained:
+                return
+            self._records.popitem(last=False)
 
     def _refresh_gauges(self) -> None:
         self.metrics.on_buffer(self.intake.num_buffered_rollouts, self.intake.buffered_samples,

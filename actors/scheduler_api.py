@@ -44,7 +44,8 @@ class SchedulerConfig:
     checkpoint holds the step, so `rewind(n)` can train them again after a train group restarts from
     that checkpoint. Without it only steps not yet acknowledged can be rewound."""
     step_record_window: int = 16
-    """Step records kept whole (the newest); older steps live on as totals in SchedulerStats."""
+    """Records of trained steps kept whole (the newest), besides every step emitted but not yet trained
+    (the train side reads a step's record after training it); older steps live on as totals in SchedulerStats."""
 
     def __post_init__(self):
         if not isinstance(self.batch, BatchConfig):

@@ -273,3 +273,18 @@ def test_rewind_without_retention_covers_only_unacknowledged_steps(scheduler_fac
     assert call(scheduler.rewind, 1) == 2  # step 1 was in flight: it comes back
     assert ray.get(call(scheduler.get_shard, 1, 0, timeout_s=30).ref, timeout=30).rollout_ids in (["v2", "v3"], ["v3", "v2"])
     call(scheduler.stats, check_ledger=True)
+
+
+def test_step_records_of_untrained_steps_outlive_the_window(scheduler_factory):
+    """A train side far behind the producers still finds the record of the step it just trained."""
+    scheduler = scheduler_factory("sched-records", batch=BatchConfig(global_batch_size=1, max_tokens_per_gpu=64),
+                                  step_record_window=2)
+    call(scheduler.register_train_group, ParallelConfig(dp_size=1))
+    call(scheduler.submit, [r for i in range(5) for r in rollout_rows(f"q{i}", 1)])
+    call(scheduler.get_shard, 4, 0, timeout_s=30)  # five steps emitted, none trained
+    for step in range(5):
+        assert call(scheduler.step_record, step).step == step
+        call(scheduler.ack_step, step, 0)
+    assert [r.step for r in call(scheduler.stats).recent_steps] == [3, 4]  # trained ones: the newest 2
+    with pytest.raises(SchedulerStateError, match="step_record_window"):
+        call(scheduler.step_record, 2)
