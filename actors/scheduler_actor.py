@@ -142,6 +142,7 @@ class SchedulerActor:
         self._slots: dict[int, _StepSlot] = {}
         self._retained: dict[int, list[ReadyRollout]] = {}  # trained, not yet in a checkpoint (retain_until_checkpoint)
         self._records: OrderedDict[int, StepRecord] = OrderedDict()
+        self._trained_records = 0  # records of trained steps among _records (the window bounds these)
         self._next_step = 0
         self._steps_trained = 0
         self._partial_steps = 0
@@ -244,6 +245,7 @@ class SchedulerActor:
         if step in self._records:
             reduced = reduce_metric_pairs(slot.acks[r] for r in sorted(slot.acks))
             self._records[step] = replace(self._records[step], trained=True, metrics=reduced)
+            self._trained_records += 1
             self._trim_records()
         self._steps_trained += 1
         self._refresh_gauges()
@@ -279,7 +281,8 @@ class SchedulerActor:
             for step in range(next_step, self._next_step):
                 slot = self._slots.pop(step, None)
                 rollouts += slot.rollouts if slot is not None else self._retained.pop(step)
-                self._records.pop(step, None)
+                undone = self._records.pop(step, None)
+                self._trained_records -= bool(undone is not None and undone.trained)
             self.intake.return_front(rollouts)
             self._next_step = next_step
             self._steps_trained = min(self._steps_trained, next_step)
@@ -609,11 +612,11 @@ class SchedulerActor:
     def _trim_records(self) -> None:
         """Keep every untrained step's record (the train side reads it after the step) and the newest
         trained ones up to step_record_window: evict only trained records, oldest first."""
-        while len(self._records) > self.config.step_record_window:
-            oldest = next(iter(self._records.values()))
-            if not oldest.trained:
-                return
-            self._records.popitem(last=False)
+        while self._trained_records > self.config.step_record_window:
+            # Steps train in order, so the oldest trained record is (nearly always) the first one.
+            step = next(step for step, r in self._records.items() if r.trained)
+            del self._records[step]
+            self._trained_records -= 1
 
     def _refresh_gauges(self) -> None:
         self.metrics.on_buffer(self.intake.num_buffered_rollouts, self.intake.buffered_samples,
