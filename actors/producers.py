@@ -8,12 +8,18 @@ rollouts). Deferred samples (backpressure) are resubmitted after the scheduler's
 (every rollout gets the same reward) so the scheduler's dynamic-sampling filter drops them,
 and a share of rollouts is malformed so rejection is exercised while training runs.
 
+`stop()` ends a producer early (the run reached its last step): `run` returns after the push in
+progress; rollouts not yet pushed are abandoned (counted in the report), and one whose
+siblings were partly pushed ends `incomplete` when the driver then calls `end_of_input`. The
+actor is threaded (two calls at once) so `stop` is served while `run` works.
+
 `rollout_dataset` is the other way in: a Ray Data pipeline whose map stage takes an uneven
 time per prompt, so rows reach the scheduler in completion order.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -67,6 +73,9 @@ class ProducerReport:
     calls: int
     deferred_retries: int
     rejected_samples: int
+    abandoned_rollouts: int = 0
+    """Rollouts not (wholly) pushed because `stop()` came first."""
+    stopped: bool = False
 
 
 def prompt_group(config: ProducerConfig, prompt_key: str, rng: np.random.Generator) -> list[list[dict]]:
@@ -89,9 +98,15 @@ class AgenticProducer:
         self._scheduler = scheduler
         self._tag = run_tag
         self._rng = np.random.default_rng([config.seed, agent])
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        """Ask `run` to return after the push in progress (see module docstring)."""
+        self._stop.set()
 
     def run(self) -> ProducerReport:
-        """Push every rollout of this agent's prompts; returns when all were accepted or rejected."""
+        """Push every rollout of this agent's prompts; returns when all were accepted or rejected,
+        or soon after `stop()`."""
         config, rng = self._config, self._rng
         finished: list[tuple[float, list[dict]]] = []
         for p in range(config.prompts_per_agent):
@@ -107,8 +122,9 @@ class AgenticProducer:
         counts = dict(rollouts=0, samples=0, calls=0, deferred_retries=0, rejected_samples=0)
         start = time.monotonic()
         pending_siblings: list[dict] = []
-        for finish_s, rollout in finished:
-            time.sleep(max(0.0, finish_s - (time.monotonic() - start)))
+        for index, (finish_s, rollout) in enumerate(finished):
+            if self._stop.wait(max(0.0, finish_s - (time.monotonic() - start))):
+                return self._report(counts, abandoned=len(finished) - index + bool(pending_siblings))
             counts["rollouts"] += 1
             counts["samples"] += len(rollout)
             if len(rollout) > 1 and rng.random() < config.sibling_push_fraction:
@@ -120,10 +136,13 @@ class AgenticProducer:
             pending_siblings = []
         if pending_siblings:
             self._push(pending_siblings, counts)
-        return ProducerReport(agent=self._agent, **counts)
+        return self._report(counts, abandoned=0)
+
+    def _report(self, counts: dict, abandoned: int) -> ProducerReport:
+        return ProducerReport(agent=self._agent, abandoned_rollouts=abandoned, stopped=self._stop.is_set(), **counts)
 
     def _push(self, samples: list[dict], counts: dict) -> None:
-        while samples:
+        while samples and not self._stop.is_set():
             result = ray.get(self._scheduler.submit.remote(samples), timeout=60)
             counts["calls"] += 1
             counts["rejected_samples"] += len(result.rejected)
@@ -131,12 +150,12 @@ class AgenticProducer:
                 return
             counts["deferred_retries"] += 1
             samples = [samples[i] for i in result.deferred]
-            time.sleep(result.retry_after_s or 0.05)
+            self._stop.wait(result.retry_after_s or 0.05)
 
 
 def start_producers(config: ProducerConfig, scheduler, run_tag: str = "run0") -> list[ray.ObjectRef]:
     """Start `num_agents` producer actors (num_cpus=0) and their `run`; returns (actor, run ref) pairs."""
-    remote = ray.remote(num_cpus=0)(AgenticProducer)
+    remote = ray.remote(num_cpus=0, max_concurrency=2)(AgenticProducer)  # stop() while run() works
     actors = [
         remote.options(name=f"vgbs-producer-{run_tag}-{i}").remote(i, config, scheduler, run_tag)
         for i in range(config.num_agents)

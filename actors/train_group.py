@@ -38,6 +38,7 @@ from actors.train_actor import train_actor_class
 from actors.train_config import RankInfo, RankStepResult, StepResult, TrainGroupConfig
 from vgbs_ray.config import ParallelConfig
 from vgbs_ray.errors import VgbsError
+from vgbs_ray.failure_policy import FailureKind
 from vgbs_ray.metrics import metric_values, reduce_metric_pairs
 from vgbs_ray.shard import StepShard
 
@@ -49,7 +50,18 @@ class PlacementGroupTimeoutError(VgbsError, TimeoutError):
 
 
 class TrainStepError(VgbsError, RuntimeError):
-    """A rank failed or died during a step, or the step timed out."""
+    """A rank failed or died during a step, or the step timed out.
+
+    `kind` says which (a `FailureKind`: rank_died, rank_failed, timeout, no_shard), for the
+    job's failure policy; the message names the rank and the step.
+    """
+
+    def __init__(self, message: str, kind: FailureKind = FailureKind.RANK_FAILED):
+        super().__init__(message)
+        self.kind = kind
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.kind))
 
 
 class TrainGroup:
@@ -103,7 +115,8 @@ class TrainGroup:
         try:
             first = ray.get(scheduler.get_shard.remote(step, 0, timeout_s=wait_s), timeout=wait_s + 30)
         except ray.exceptions.RayTaskError as error:
-            raise TrainStepError(f"step {step}: the scheduler has no shard for it: {error.cause!r}") from error
+            raise TrainStepError(f"step {step}: the scheduler has no shard for it: {error.cause!r}",
+                                 FailureKind.NO_SHARD) from error
         if first is None:
             return None
         task_name = f"train_step step={step} rollouts={first.num_rollouts}"
@@ -145,7 +158,8 @@ class TrainGroup:
             if not ready:
                 missing = sorted(rank_of[r] for r in pending)
                 raise TrainStepError(f"{what}: ranks {missing} did not finish within {timeout_s:.0f} s "
-                                     "(a hung collective or a slow scheduler); shut this group down")
+                                     "(a hung collective or a slow scheduler); shut this group down",
+                                     FailureKind.TIMEOUT)
             rank = rank_of[ready[0]]
             try:
                 results[rank] = ray.get(ready[0])
@@ -230,7 +244,7 @@ _ROOT_CAUSE_GRACE_S = 10.0
 def _died(what: str, rank: int, error: BaseException, echo: tuple | None = None) -> TrainStepError:
     also = "" if echo is None else f"; rank {echo[0]}'s collective failed as a consequence: {echo[1]!r}"
     return TrainStepError(f"{what}: TrainActor rank {rank} died ({type(error).__name__}); the group's "
-                          f"collectives are broken: shut it down and start a new one{also}")
+                          f"collectives are broken: shut it down and start a new one{also}", FailureKind.RANK_DIED)
 
 
 def _resources(available: dict) -> str:

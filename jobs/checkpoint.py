@@ -47,6 +47,12 @@ def latest_checkpoint(output_dir: str) -> str | None:
         return os.path.join(checkpoint_root(output_dir), handle.read().strip())
 
 
+def checkpoint_next_step(path: str) -> int:
+    """The step a checkpoint continues at (it holds every step before it)."""
+    with open(os.path.join(path, "job.json")) as handle:
+        return int(json.load(handle)["next_step"])
+
+
 def load_job_state(path: str, group) -> dict:
     """Restore the train group from `path`; returns job.json (with next_step)."""
     group.load_checkpoint(path)

@@ -30,8 +30,12 @@ class RunConfig:
     """Optimizer steps to train; the run also ends when producers are done and the last (partial) step is trained."""
     output_dir: str = "runs/latest"
     """Step records (steps.jsonl), the plot (steps.png), the summary and checkpoints go here."""
-    checkpoint_every: int = 0
-    """Save a checkpoint every this many steps (0 = only at the end)."""
+    checkpoint_every: int = 2
+    """Save a checkpoint every this many steps (0 = only at the end). A recovered failure redoes
+    the steps after the latest checkpoint: fewer steps between checkpoints, less work redone."""
+    max_failures: int = 2
+    """Train-group failures (a dead rank, a failed or hung step) recovered in the job: tear the group
+    down, start a new one from the latest checkpoint, replay the steps after it. 0 = fail fast."""
     resume: bool = False
     """Resume from the latest checkpoint in output_dir/checkpoints."""
     ray_address: str = "local"
@@ -48,6 +52,8 @@ class RunConfig:
             raise ConfigError(f"run.num_steps must be >= 1, got {self.num_steps}")
         if self.checkpoint_every < 0:
             raise ConfigError(f"run.checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if not isinstance(self.max_failures, int) or self.max_failures < 0:
+            raise ConfigError(f"run.max_failures must be an integer >= 0 (0 = fail fast), got {self.max_failures!r}")
         if self.ray_address != "local" and not self.ray_address:
             raise ConfigError('run.ray_address must be "local", "auto" or a cluster address')
 

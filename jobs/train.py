@@ -27,10 +27,11 @@ import ray
 
 from actors.producers import rollout_dataset, start_producers
 from actors.scheduler_actor import create_scheduler
-from actors.train_group import TrainGroup
-from jobs.checkpoint import latest_checkpoint, load_job_state, save_job_state
+from actors.train_group import PlacementGroupTimeoutError, TrainStepError
+from jobs.checkpoint import checkpoint_next_step, latest_checkpoint
 from jobs.job_config import JobConfig, load_job_config, options_help
 from jobs.progress import StepLine, StepRecorder, plot_records, read_records
+from jobs.recovery import JobFailedError, TrainController
 from vgbs_ray.errors import ConfigError
 
 log = logging.getLogger("vgbs.job")
@@ -78,20 +79,60 @@ def check_cluster_fits(config: JobConfig, resources: dict[str, float]) -> None:
             )
 
 
-def close_input_when_producers_finish(scheduler, producers, timeout_s: float) -> threading.Thread:
-    """A driver thread: once every producer returned, tell the scheduler no more input comes."""
+class ProducerWatch(threading.Thread):
+    """A driver thread: once every producer returned (finished, or stopped by the driver), tell
+    the scheduler no more input comes. Join it (`stop_producers`) before the scheduler goes.
+    `outcome()` says how the producers ended, for the summary."""
 
-    def wait_and_close():
+    def __init__(self, scheduler, producers, timeout_s: float):
+        super().__init__(name="close-input", daemon=True)
+        self._scheduler, self._producers, self._timeout_s = scheduler, producers, timeout_s
+        self.reports: list = []
+        self.failed = 0
+        self.input_closed = False
+
+    def run(self) -> None:
+        for _, ref in self._producers:
+            try:
+                self.reports.append(ray.get(ref, timeout=self._timeout_s))
+            except Exception as error:  # noqa: BLE001 - a failed producer ends its input; training goes on
+                self.failed += 1
+                log.error("a producer failed: %r", error)
         try:
-            reports = ray.get([ref for _, ref in producers], timeout=timeout_s)
-            log.info("producers done: %s", [(r.rollouts, r.samples, r.rejected_samples) for r in reports])
-        except Exception as error:  # noqa: BLE001 - a failed producer ends its input; training goes on
-            log.error("a producer failed: %r", error)
-        ray.get(scheduler.end_of_input.remote(), timeout=timeout_s)
+            ray.get(self._scheduler.end_of_input.remote(), timeout=self._timeout_s)
+            self.input_closed = True
+        except ray.exceptions.RayActorError:
+            log.error("end of input not recorded: the scheduler is gone")
+        except Exception as error:  # noqa: BLE001 - reported; the driver decides the run's outcome
+            log.error("end of input failed: %r", error)
 
-    thread = threading.Thread(target=wait_and_close, name="close-input", daemon=True)
-    thread.start()
-    return thread
+    def outcome(self) -> dict:
+        return {"finished": sum(not r.stopped for r in self.reports), "stopped": sum(r.stopped for r in self.reports),
+                "failed": self.failed, "abandoned_rollouts": sum(r.abandoned_rollouts for r in self.reports),
+                "input_closed": self.input_closed}
+
+
+def close_input_when_producers_finish(scheduler, producers, timeout_s: float) -> ProducerWatch:
+    """Start the ProducerWatch of `producers` (see there)."""
+    watch = ProducerWatch(scheduler, producers, timeout_s)
+    watch.start()
+    return watch
+
+
+def stop_producers(producers, close_input: ProducerWatch | None, timeout_s: float = 60.0) -> None:
+    """The end of a run, producers first: ask each to stop (abandoned rollouts end incomplete at
+    end of input), then wait for their input to be closed, so none pushes into a dead scheduler."""
+    for actor, _ in producers:
+        try:
+            actor.stop.remote()
+        except Exception:  # noqa: BLE001 - an actor that already died has nothing to stop
+            pass
+    if close_input is not None:
+        close_input.join(timeout_s)
+        if close_input.is_alive():
+            log.error("producers did not stop within %.0f s; ending the run anyway", timeout_s)
+    for actor, _ in producers:  # idle now (their run returned): going away fails no task
+        ray.kill(actor)
 
 
 def step_line(result, record) -> StepLine:
@@ -103,38 +144,50 @@ def step_line(result, record) -> StepLine:
     )
 
 
-def train(config: JobConfig, records_path: str) -> dict:
-    """Run the job on an initialised Ray; returns the summary."""
+def train(config: JobConfig, records_path: str, on_event=None) -> dict:
+    """Run the job on an initialised Ray; returns the summary.
+
+    Life cycle: scheduler, train group (restored when resuming), producers; the step loop
+    (recovering train-group failures); then, in this order, producers stop and the input is
+    closed, the ledger is checked, and the train group and the scheduler go. `on_event(event,
+    step, controller)`, if given, is called with "step_started" before each step and
+    "step_trained" after its record is written (step: the scheduler's; for tests and tools).
+    """
     out = config.run.output_dir
     resume_from = latest_checkpoint(out) if config.run.resume else None
-    scheduler = create_scheduler(config.scheduler_with_model_limits())
-    group = None
+    scheduler_config = config.scheduler_with_model_limits()
+    if config.run.max_failures > 0:  # trained steps stay rewindable until a checkpoint holds them
+        scheduler_config = dataclasses.replace(scheduler_config, retain_until_checkpoint=True)
+    scheduler = create_scheduler(scheduler_config)
+    controller, producers, close_input = None, [], None
     try:
-        group = TrainGroup(config.train)
-        first_step = 0
+        first_step = checkpoint_next_step(resume_from) if resume_from is not None else 0
+        controller = TrainController(config, scheduler, first_step=first_step, restore_from=resume_from)
+        controller.start()
         if resume_from is not None:
-            first_step = load_job_state(resume_from, group)["next_step"]
             print(f"resumed from {resume_from} at step {first_step}", flush=True)
-        group.register_with(scheduler)
         run_tag = f"from-step{first_step}"  # fresh rollout ids after a resume
         producers = start_producers(config.producers, scheduler, run_tag)
         if config.producers.dataset_prompts:
             ray.get(scheduler.consume_dataset.remote(rollout_dataset(config.producers, run_tag)), timeout=60)
-        close_input_when_producers_finish(scheduler, producers, timeout_s=600)
+        close_input = close_input_when_producers_finish(scheduler, producers, timeout_s=600)
 
         start = time.monotonic()
         recorder = StepRecorder(records_path, append=resume_from is not None)
         try:
-            trained = run_steps(config, group, scheduler, recorder, first_step)
+            trained = run_steps(config, controller, recorder, on_event)
         finally:
             recorder.close()
         elapsed = time.monotonic() - start
-        if trained:
-            save_job_state(out, first_step + len(trained), group, scheduler)
-        return summarize(ray.get(scheduler.stats.remote(), timeout=60), trained, elapsed)
+        stop_producers(producers, close_input)
+        producers = []
+        stats = ray.get(scheduler.stats.remote(check_ledger=True), timeout=60)
+        return {**summarize(stats, trained, elapsed, controller), "producers": close_input.outcome()}
     finally:
-        if group is not None:
-            group.shutdown()
+        if producers:  # a failed run: stop them before the scheduler goes
+            stop_producers(producers, close_input, timeout_s=10)
+        if controller is not None:
+            controller.shutdown()
         try:
             ray.get(scheduler.close.remote(), timeout=10)
         except Exception:  # noqa: BLE001 - best effort on the way out
@@ -142,31 +195,56 @@ def train(config: JobConfig, records_path: str) -> dict:
         ray.kill(scheduler)
 
 
-def run_steps(config: JobConfig, group: TrainGroup, scheduler, recorder: StepRecorder, first_step: int) -> list[StepLine]:
-    """Train up to run.num_steps steps, or until the input ends; returns one StepLine per step.
+RECOVERABLE_ERRORS = (TrainStepError, PlacementGroupTimeoutError, ray.exceptions.RayActorError,
+                      ray.exceptions.GetTimeoutError)
+"""What the step loop hands to `TrainController.recover` (which asks the failure policy)."""
 
-    The scheduler numbers its steps from 0; the job's step (records, checkpoints) continues
-    a resumed run from `first_step`.
+
+def run_steps(config: JobConfig, controller: TrainController, recorder: StepRecorder,
+              on_event=None) -> list[StepLine]:
+    """Train up to run.num_steps steps, or until the input ends; returns the line of each step in
+    the final model's history.
+
+    A train-group failure is recovered (jobs/recovery.py): the steps after the latest checkpoint
+    train again, their lines replaced by the replay's (the records file keeps both, in time
+    order). The scheduler numbers its steps from 0; the job's step (records, checkpoints)
+    continues a resumed run from `controller.first_step`. The run ends with a checkpoint.
     """
-    trained: list[StepLine] = []
-    for scheduler_step in range(config.run.num_steps):
-        result = group.train_step(scheduler_step, scheduler, shard_timeout_s=config.run.shard_timeout_s)
-        if result is None:
-            print(f"input ended after {len(trained)} steps", flush=True)
-            break
-        record = ray.get(scheduler.step_record.remote(scheduler_step), timeout=60)
-        line = dataclasses.replace(step_line(result, record), step=first_step + scheduler_step)
-        print(line.text(), flush=True)
-        recorder.write(line)
-        trained.append(line)
-        every = config.run.checkpoint_every
-        if every and len(trained) % every == 0:
-            save_job_state(config.run.output_dir, first_step + len(trained), group, scheduler)
-    return trained
+    run, first, scheduler = config.run, controller.first_step, controller.scheduler
+    lines: dict[int, StepLine] = {}
+    step = 0
+    while True:
+        try:
+            if step < run.num_steps:
+                if on_event is not None:
+                    on_event("step_started", step, controller)
+                result = controller.group.train_step(step, scheduler, shard_timeout_s=run.shard_timeout_s)
+                if result is not None:
+                    record = ray.get(scheduler.step_record.remote(step), timeout=60)
+                    line = dataclasses.replace(step_line(result, record), step=first + step)
+                    print(line.text(), flush=True)
+                    recorder.write(line)
+                    lines[step] = line
+                    controller.consumed_rollouts = result.consumed_rollouts
+                    step += 1
+                    if on_event is not None:
+                        on_event("step_trained", step - 1, controller)
+                    if run.checkpoint_every and step % run.checkpoint_every == 0:
+                        controller.checkpoint(first + step)
+                    continue
+                print(f"input ended after {step} steps", flush=True)
+            if step and controller.checkpointed_step != first + step:
+                controller.checkpoint(first + step)
+            return [lines[s] for s in sorted(lines)]
+        except RECOVERABLE_ERRORS as error:
+            step = controller.recover(error, step)
+            for undone in [s for s in lines if s >= step]:
+                del lines[undone]
 
 
-def summarize(stats, trained: list[StepLine], elapsed_s: float) -> dict:
-    """The run's summary: rollouts per step, what the ledger says became of every rollout, throughput."""
+def summarize(stats, trained: list[StepLine], elapsed_s: float, controller: TrainController | None = None) -> dict:
+    """The run's summary: rollouts per step, what the ledger says became of every rollout, throughput,
+    and each recovered failure (what it cost)."""
     rollouts = sum(line.num_rollouts for line in trained)
     return {
         "steps": len(trained),
@@ -176,6 +254,8 @@ def summarize(stats, trained: list[StepLine], elapsed_s: float) -> dict:
         "dropped_by_reason": stats.ledger.dropped_by_reason,
         "rejected_samples_by_rule": stats.ledger.rejected_samples_by_rule,
         "incomplete_rollouts": len(stats.incomplete_rollouts),
+        "consumed_rollouts": controller.consumed_rollouts if controller is not None else None,
+        "recoveries": [dataclasses.asdict(r) for r in controller.recoveries] if controller is not None else [],
         "elapsed_s": round(elapsed_s, 2),
         "rollouts_per_s": round(rollouts / elapsed_s, 3) if elapsed_s > 0 else None,
     }
@@ -210,3 +290,6 @@ if __name__ == "__main__":
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         sys.exit(2)
+    except JobFailedError as error:  # the policy stopped the run: its message says why and what was lost
+        print(f"job failed: {error}", file=sys.stderr)
+        sys.exit(1)

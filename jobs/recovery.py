@@ -1,0 +1,198 @@
+"""In-job recovery: the train group's owner, checkpoints the scheduler knows about, restarts.
+
+    controller = TrainController(config, scheduler, first_step=0, restore_from=None)
+    controller.start()                                   # the first group (restored if resuming)
+    result = controller.group.train_step(step, scheduler)
+    controller.checkpoint(job_next_step)                 # durable; the scheduler may settle those steps
+    step = controller.recover(error, failed_step)        # or raises JobFailedError / SchedulerLostError
+    controller.shutdown()
+
+Recovery (the failure policy in `vgbs_ray/failure_policy.py` decides, this acts):
+1. classify the error; first ask the scheduler whether it is alive (bounded by
+   `SCHEDULER_PROBE_TIMEOUT_S`): a dead scheduler is never "recovered" by a new group;
+2. tear the group down (its collectives are broken), start a new one (new placement group,
+   new process group on a new port), restore the latest checkpoint this run wrote (or the one it
+   resumed from; a run with none starts from the seeded initial weights, which is the same state);
+3. `scheduler.rewind(n)`: every step after the checkpoint goes back in front of the buffer in
+   its original order and trains again exactly once, numbered from n.
+
+Invariants: the scheduler is told `checkpointed(n)` only after the checkpoint of steps < n is
+durably written (`latest` points at it), so a rewind never needs a settled step. The LR
+schedule's consumed-rollout count lives in the checkpoint, so it comes back with the weights.
+Steps are the scheduler's (0 at this job's start); a checkpoint's name is the job's step
+(`first_step` + scheduler step, continuing a resumed run).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import ray
+
+from actors.train_group import PlacementGroupTimeoutError, TrainGroup, TrainStepError
+from jobs.checkpoint import load_job_state, save_job_state
+from jobs.job_config import JobConfig
+from vgbs_ray.errors import VgbsError
+from vgbs_ray.failure_policy import FailureAction, FailureKind, FailureStatus, make_decision
+
+log = logging.getLogger("vgbs.job")
+
+SCHEDULER_PROBE_TIMEOUT_S = 10.0
+"""How long a failure waits for the scheduler to answer before it counts as lost (bounds detection)."""
+
+
+class JobFailedError(VgbsError, RuntimeError):
+    """The run stopped on a failure the policy would not (or could not) recover; the message says why."""
+
+
+class SchedulerLostError(JobFailedError):
+    """The SchedulerActor died or stopped answering; the message says what was lost."""
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One recovered failure, for the summary. Times in seconds."""
+
+    kind: str
+    failed_step: int
+    """The scheduler step that failed (in flight or being checkpointed)."""
+    restored_step: int
+    """The scheduler step the new group continues from (the checkpoint holds every step before it)."""
+    steps_redone: int
+    """Steps trained after the checkpoint, undone and trained again (the in-flight one not counted)."""
+    rollouts_replayed: int
+    """Rollouts the scheduler put back in front of its buffer (trained-after-checkpoint and in-flight)."""
+    time_to_recover_s: float
+    """From the failure surfacing in the driver to the new group restored and the scheduler rewound."""
+
+
+class TrainController:
+    """Owns the train group across restarts (see module docstring)."""
+
+    def __init__(self, config: JobConfig, scheduler, *, first_step: int, restore_from: str | None):
+        self.config = config
+        self.scheduler = scheduler
+        self.first_step = first_step
+        self.group: TrainGroup | None = None
+        self.failures = 0
+        self.recoveries: list[Recovery] = []
+        self.last_stats = None
+        """The scheduler's latest stats seen (at a checkpoint or a probe): what a lost scheduler took with it."""
+        self.consumed_rollouts: int | None = None
+        """The LR schedule's consumed-rollout count after the latest step (the step loop sets it)."""
+        self._restore_path = restore_from
+        self._restore_step = first_step  # job step the restore point holds every step before
+
+    @property
+    def retains(self) -> bool:
+        """Whether trained steps stay rewindable until a checkpoint (the scheduler must be made so)."""
+        return self.config.run.max_failures > 0
+
+    @property
+    def checkpointed_step(self) -> int:
+        """The job step the latest checkpoint (or the resumed one) continues at."""
+        return self._restore_step
+
+    def start(self) -> None:
+        self.group = self._new_group()
+
+    def checkpoint(self, job_next_step: int) -> str:
+        """Save every step < job_next_step; then the scheduler may settle them for good."""
+        path = save_job_state(self.config.run.output_dir, job_next_step, self.group, self.scheduler)
+        self._restore_path, self._restore_step = path, job_next_step
+        self.last_stats = ray.get(self.scheduler.stats.remote(), timeout=60)
+        if self.retains:
+            ray.get(self.scheduler.checkpointed.remote(job_next_step - self.first_step), timeout=60)
+        return path
+
+    def recover(self, error: BaseException, failed_step: int) -> int:
+        """Restart the group from the latest checkpoint and rewind the scheduler; returns the
+        scheduler step to continue from. Raises JobFailedError when the policy says stop."""
+        detected = time.monotonic()
+        kind = self._classify(error)
+        self._decide(kind, error, failed_step)
+        log.warning("step %d failed (%s): %s; restarting the train group", failed_step, kind.value, error)
+        self.group.shutdown()
+        while True:
+            try:
+                self.group = self._new_group()
+                break
+            except (PlacementGroupTimeoutError, TrainStepError, ray.exceptions.RayError) as start_error:
+                lost = not self._scheduler_alive()
+                self._decide(FailureKind.SCHEDULER_LOST if lost else FailureKind.START_FAILED, start_error, failed_step)
+        restored = self._restore_step - self.first_step
+        try:
+            replayed = ray.get(self.scheduler.rewind.remote(restored), timeout=60)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as lost:
+            self._decide(FailureKind.SCHEDULER_LOST, lost, failed_step)
+        recovery = Recovery(kind=kind.value, failed_step=failed_step, restored_step=restored,
+                            steps_redone=failed_step - restored, rollouts_replayed=replayed,
+                            time_to_recover_s=round(time.monotonic() - detected, 3))
+        self.recoveries.append(recovery)
+        print(f"recovered from {kind.value} at step {self.first_step + failed_step}: new train group from "
+              f"{self._restore_path or 'the initial weights'}, {recovery.steps_redone} steps redone, "
+              f"{replayed} rollouts replayed, {recovery.time_to_recover_s:.1f} s", flush=True)
+        return restored
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _new_group(self) -> TrainGroup:
+        group = TrainGroup(self.config.train)
+        try:
+            if self._restore_path is not None:
+                load_job_state(self._restore_path, group)
+            group.register_with(self.scheduler)
+        except BaseException:
+            group.shutdown()
+            raise
+        return group
+
+    def _scheduler_alive(self) -> bool:
+        """Whether the scheduler answers within SCHEDULER_PROBE_TIMEOUT_S and has not failed inside."""
+        try:
+            stats = ray.get(self.scheduler.stats.remote(), timeout=SCHEDULER_PROBE_TIMEOUT_S)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+        if stats.failure is not None:
+            return False
+        self.last_stats = stats
+        return True
+
+    def _classify(self, error: BaseException) -> FailureKind:
+        """What failed. The scheduler is asked first: every failure looks like a rank's once it is gone."""
+        if not self._scheduler_alive():
+            return FailureKind.SCHEDULER_LOST
+        if isinstance(error, TrainStepError):
+            return error.kind
+        if isinstance(error, PlacementGroupTimeoutError):
+            return FailureKind.START_FAILED
+        if isinstance(error, ray.exceptions.GetTimeoutError):
+            return FailureKind.TIMEOUT
+        raise error  # not a failure the policy knows: a bug, raised as it is
+
+    def _decide(self, kind: FailureKind, error: BaseException, failed_step: int) -> None:
+        """Count the failure and return if the policy restarts; raise if it stops."""
+        decision = make_decision(FailureStatus(kind=kind, failures_before=self.failures),
+                                 self.config.run.max_failures)
+        if decision.action is FailureAction.STOP:
+            if kind is FailureKind.SCHEDULER_LOST:
+                raise SchedulerLostError(self._what_was_lost(failed_step, decision.reason)) from error
+            raise JobFailedError(f"step {self.first_step + failed_step}: {error}; {decision.reason}") from error
+        self.failures += 1
+
+    def _what_was_lost(self, failed_step: int, reason: str) -> str:
+        seen = self.last_stats
+        held = ("nothing buffered is known" if seen is None else
+                f"at its last report it held {seen.buffered_rollouts} buffered rollouts and "
+                f"{seen.steps_in_flight} steps emitted but not trained")
+        since = failed_step - (self._restore_step - self.first_step)
+        where = self._restore_path or "no checkpoint (the run restarts from the beginning)"
+        return (f"the SchedulerActor died at step {self.first_step + failed_step}: {held}; those rollouts and the "
+                f"ledger of the {since} steps trained since the latest checkpoint are lost; in-flight producer "
+                f"pushes fail. The latest checkpoint is {where} (step {self._restore_step}). {reason}")

@@ -1,0 +1,162 @@
+"""Failure recovery through the real job (in-process Ray, real placement groups, Megatron over gloo).
+
+- Chaos: a random TrainActor killed twice (between steps, and with a step in flight) while
+  producers push: the run finishes; the trained rollout ids equal those of the same run without
+  faults, each in exactly one step of the final history; the ledger check passes; the LR
+  schedule's consumed-rollout count matches.
+- Life cycle: a run that reaches run.num_steps while producers still push stops them first:
+  no traceback, no ActorDiedError, no failed producer in the output.
+- Scheduler loss: the SchedulerActor killed mid-run: the job stops within a bounded time with a
+  message saying what was lost (never hangs).
+
+Kills happen at events the job reports (`on_event`), never after sleeps racing the run.
+Slow: about two minutes in all.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import pytest
+import ray
+
+from actors.scheduler_actor import DEFAULT_NAME
+from jobs.checkpoint import latest_checkpoint
+from jobs.job_config import load_job_config
+from jobs.recovery import SchedulerLostError
+from jobs.train import train
+
+pytestmark = pytest.mark.slow
+
+# 2 agents x 6 prompts x 2 rollouts + 2 dataset prompts x 2 = 28 rollouts: 7 full steps of 4.
+RUN = [
+    "producers.num_agents=2", "producers.prompts_per_agent=6", "producers.group_size=2",
+    "producers.dataset_prompts=2", "producers.uniform_group_fraction=0", "producers.bad_rollout_fraction=0.5",
+    "producers.max_delay_s=0.05", "scheduler.batch.global_batch_size=4", "run.num_steps=50",
+    "run.checkpoint_every=2", "run.max_failures=2", "run.plot=false",
+]
+
+
+def names_free(num_agents: int = 2, timeout_s: float = 60.0) -> None:
+    """Wait until the previous run's named actors are gone (the next run reuses the names)."""
+    names = [DEFAULT_NAME] + [f"vgbs-producer-from-step0-{i}" for i in range(num_agents)]
+    deadline = time.monotonic() + timeout_s
+    for name in names:
+        while True:
+            try:
+                ray.get_actor(name)
+            except ValueError:
+                break
+            assert time.monotonic() < deadline, f"actor {name} still alive after {timeout_s} s"
+            time.sleep(0.1)
+
+
+def run_job(out, extra=(), on_event=None):
+    """Run the job in this process; returns (summary, the rollout ids of each step in the final history)."""
+    config = load_job_config(None, [*RUN, f"run.output_dir={out}", *extra])
+    names_free()
+    history: dict[int, tuple] = {}
+
+    def observe(event, step, controller):
+        if event == "step_trained":  # a replayed step overwrites the undone one
+            history[step] = ray.get(controller.scheduler.step_record.remote(step), timeout=60).rollout_ids
+        if on_event is not None:
+            on_event(event, step, controller)
+
+    summary = train(config, str(out / "steps.jsonl"), observe)
+    return summary, [history[s] for s in range(summary["steps"])]
+
+
+def ledger_trained(out) -> dict:
+    """rollout id -> step, of every rollout the final checkpoint's ledger says was trained."""
+    with open(latest_checkpoint(str(out)) + "/ledger.json") as handle:
+        ledger = json.load(handle)
+    return {rid: state[1] for rid, state in ledger["rollouts"].items() if state[0] == "trained"}
+
+
+def test_two_killed_train_ranks_are_recovered_and_every_rollout_trains_exactly_once(ray_session, tmp_path):
+    clean, clean_history = run_job(tmp_path / "clean")
+    assert clean["recoveries"] == [] and clean["rollouts_trained"] == 28
+
+    rng = random.Random(11)
+    kills: list[dict] = []
+
+    def kill_a_rank(controller, when: str, step: int):
+        rank = rng.randrange(len(controller.group.actors))
+        kills.append(dict(when=when, step=step, rank=rank, at=time.monotonic()))
+        ray.kill(controller.group.actors[rank], no_restart=True)
+
+    def kill_when_emitted(controller, step):
+        """With step `step` emitted (its shards published, ranks pulling and training): kill a rank."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                ray.get(controller.scheduler.step_record.remote(step), timeout=10)
+                break
+            except ray.exceptions.RayTaskError:
+                time.sleep(0.005)
+        kill_a_rank(controller, "in_flight", step)
+
+    def chaos(event, step, controller):
+        if event == "step_trained" and step == 2 and not kills:
+            kill_a_rank(controller, "between_steps", step)  # after step 2's record exists
+        if event == "step_started" and step == 5 and len(kills) == 1:
+            threading.Thread(target=kill_when_emitted, args=(controller, step), daemon=True).start()
+
+    faulty, faulty_history = run_job(tmp_path / "faulty", on_event=chaos)
+
+    assert [k["when"] for k in kills] == ["between_steps", "in_flight"]
+    recoveries = faulty["recoveries"]
+    assert len(recoveries) == 2 and all(r["kind"] == "rank_died" for r in recoveries), recoveries
+    # The first kill broke step 3 (the checkpoint holds steps < 2): step 2 was redone.
+    assert recoveries[0]["failed_step"] == 3 and recoveries[0]["restored_step"] == 2
+    assert recoveries[0]["steps_redone"] == 1 and recoveries[0]["rollouts_replayed"] >= 8
+    assert recoveries[1]["failed_step"] in (5, 6) and recoveries[1]["restored_step"] == 4
+    # Same rollouts as the run without faults, each in exactly one step of the final history.
+    flat = [rid for ids in faulty_history for rid in ids]
+    assert len(flat) == len(set(flat)) == 28
+    assert set(flat) == {rid for ids in clean_history for rid in ids}
+    assert faulty["rollouts_trained"] == clean["rollouts_trained"] == 28
+    trained = ledger_trained(tmp_path / "faulty")  # train() already ran stats(check_ledger=True)
+    assert trained == {str(rid): step for step, ids in enumerate(faulty_history) for rid in ids}
+    assert faulty["rollouts_by_state"] == clean["rollouts_by_state"]
+    # The LR schedule's consumed-rollout count came back with each checkpoint.
+    assert faulty["consumed_rollouts"] == clean["consumed_rollouts"] == 28
+    print("recoveries:", json.dumps(recoveries))
+
+
+def test_a_run_that_reaches_its_last_step_stops_producers_first_and_fails_nothing(ray_session, tmp_path, capfd):
+    # Producers with far more prompts than 2 steps take, still pushing when the run ends.
+    summary, history = run_job(tmp_path / "short", extra=["run.num_steps=2", "producers.prompts_per_agent=40",
+                                                          "producers.max_delay_s=0.2"])
+    assert summary["steps"] == 2 and len(history) == 2
+    states = summary["rollouts_by_state"]
+    assert sum(states.values()) < 2 * 40 * 2  # the producers were stopped, not run to the end
+    assert states["buffered"] == 0  # end of input ran: nothing left unaccounted in the buffer
+    assert summary["producers"]["stopped"] == 2 and summary["producers"]["failed"] == 0
+    assert summary["producers"]["input_closed"] and summary["producers"]["abandoned_rollouts"] > 0
+    names_free()
+    output = "".join(capfd.readouterr())
+    for bad in ("Traceback", "ActorDiedError", "a producer failed", "end of input"):
+        assert bad not in output, output[-3000:]
+
+
+def test_a_killed_scheduler_stops_the_run_with_what_was_lost(ray_session, tmp_path):
+    killed = {}
+
+    def kill_scheduler(event, step, controller):
+        if event == "step_trained" and step == 2 and not killed:
+            killed["at"] = time.monotonic()
+            ray.kill(controller.scheduler)
+
+    with pytest.raises(SchedulerLostError) as failure:
+        run_job(tmp_path / "lost", extra=["producers.prompts_per_agent=20"], on_event=kill_scheduler)
+    stopped_after_s = time.monotonic() - killed["at"]
+    message = str(failure.value)
+    assert "SchedulerActor died at step 3" in message and "buffered rollouts" in message
+    assert "step_000002" in message and "run.resume=true" in message
+    assert stopped_after_s < 60, stopped_after_s  # detection is bounded: never a hang
+    print(f"scheduler loss: stopped {stopped_after_s:.1f} s after the kill")
