@@ -66,6 +66,8 @@ class Recovery:
     """Rollouts the scheduler put back in front of its buffer (trained-after-checkpoint and in-flight)."""
     time_to_recover_s: float
     """From the failure surfacing in the driver to the new group restored and the scheduler rewound."""
+    group_start_s: float
+    """Of which: starting the new group (placement group, actors, process group, model) and restoring it."""
 
 
 class TrainController:
@@ -115,6 +117,7 @@ class TrainController:
         self._decide(kind, error, failed_step)
         log.warning("step %d failed (%s): %s; restarting the train group", failed_step, kind.value, error)
         self.group.shutdown()
+        started = time.monotonic()
         while True:
             try:
                 self.group = self._new_group()
@@ -122,6 +125,7 @@ class TrainController:
             except (PlacementGroupTimeoutError, TrainStepError, ray.exceptions.RayError) as start_error:
                 lost = not self._scheduler_alive()
                 self._decide(FailureKind.SCHEDULER_LOST if lost else FailureKind.START_FAILED, start_error, failed_step)
+        group_start_s = time.monotonic() - started
         restored = self._restore_step - self.first_step
         try:
             replayed = ray.get(self.scheduler.rewind.remote(restored), timeout=60)
@@ -129,11 +133,13 @@ class TrainController:
             self._decide(FailureKind.SCHEDULER_LOST, lost, failed_step)
         recovery = Recovery(kind=kind.value, failed_step=failed_step, restored_step=restored,
                             steps_redone=failed_step - restored, rollouts_replayed=replayed,
-                            time_to_recover_s=round(time.monotonic() - detected, 3))
+                            time_to_recover_s=round(time.monotonic() - detected, 3),
+                            group_start_s=round(group_start_s, 3))
         self.recoveries.append(recovery)
         print(f"recovered from {kind.value} at step {self.first_step + failed_step}: new train group from "
               f"{self._restore_path or 'the initial weights'}, {recovery.steps_redone} steps redone, "
-              f"{replayed} rollouts replayed, {recovery.time_to_recover_s:.1f} s", flush=True)
+              f"{replayed} rollouts replayed, {recovery.time_to_recover_s:.1f} s (new group {group_start_s:.1f} s)",
+              flush=True)
         return restored
 
     def shutdown(self) -> None:
