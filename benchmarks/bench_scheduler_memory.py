@@ -2,12 +2,14 @@
 
     python benchmarks/bench_scheduler_memory.py [--rollouts 1000000]
 
-One-sample rollouts of TOKENS tokens are pushed in batches of BATCH (ids "m<i>": ~8 characters)
+One-sample rollouts of TOKENS tokens are pushed in batches of BATCH (ids "m<i>": ~8 characters),
+at most MAX_BUFFERED samples buffered (backpressure),
 while a consumer actor pulls every step's ShardRefs and acks them (it does not fetch the shards),
 so every rollout ends trained and settles in the ledger. At each checkpoint the driver reads the
 scheduler process's resident memory (/proc, same machine) after the steps drained, and prints the
 growth per rollout between checkpoints: what a run keeps per trained rollout (goal: a few tens of
-bytes). It reads RssAnon, the process's private memory: VmRSS also counts the pages of the shared
+bytes). It reads RssAnon, the process's private memory, after glibc's malloc_trim (heap pages freed
+by a million short-lived samples otherwise stay mapped; the untrimmed figure is printed too): VmRSS also counts the pages of the shared
 object store that the process has written shards into, which grow to the store's size and say
 nothing about what the scheduler keeps (both are printed).
 """
@@ -15,6 +17,7 @@ nothing about what the scheduler keeps (both are printed).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import os
 import time
@@ -24,11 +27,13 @@ import ray
 
 from actors.scheduler_actor import SchedulerConfig, create_scheduler
 from vgbs_ray.config import BatchConfig, ParallelConfig
+from vgbs_ray.intake import IntakeConfig
 
 TOKENS = 16
 BATCH = 1000
 GBS = 5000
 DP_SIZE = 8
+MAX_BUFFERED = 4 * GBS
 CHECKPOINTS = (10_000, 100_000, 1_000_000)
 TIMEOUT_S = 600
 
@@ -49,6 +54,11 @@ class Consumer:
             step += 1
 
 
+def _trim_heap(actor) -> None:
+    """Give freed heap pages back to the OS (glibc), so RSS shows what is held, not what was churned."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def rss_bytes(pid: int, field: str = "RssAnon") -> int:
     with open(f"/proc/{pid}/status") as status:
         for line in status:
@@ -65,8 +75,11 @@ def main() -> None:
     ray.init(address="local", num_cpus=8, include_dashboard=False, object_store_memory=512 << 20,
              logging_level="ERROR", log_to_driver=False)
     try:
+        # Backpressure bounds the buffer as in a real run, so what grows is what the scheduler keeps per
+        # settled rollout, not a backlog of unscheduled samples.
         scheduler = create_scheduler(SchedulerConfig(
-            batch=BatchConfig(global_batch_size=GBS, max_tokens_per_gpu=4096, leftover="drop")), name="bench-memory")
+            batch=BatchConfig(global_batch_size=GBS, max_tokens_per_gpu=4096, leftover="drop"),
+            intake=IntakeConfig(max_buffered_samples=MAX_BUFFERED)), name="bench-memory")
         ray.get(scheduler.register_train_group.remote(ParallelConfig(dp_size=DP_SIZE)), timeout=TIMEOUT_S)
         pid = ray.get(scheduler.__ray_call__.remote(lambda self: os.getpid()), timeout=TIMEOUT_S)
         consumer = ray.remote(Consumer).options(num_cpus=0).remote(scheduler)
@@ -75,7 +88,7 @@ def main() -> None:
         tokens = rng.integers(0, 1000, TOKENS, dtype=np.int64)
         mask = np.ones(TOKENS // 2, dtype=np.int8)
         print(f"{'rollouts':>10} {'private MiB':>12} {'bytes/rollout since last':>26} {'settled-table bytes/rollout':>28} "
-              f"{'VmRSS MiB':>10} {'push s':>7}")
+              f"{'untrimmed MiB':>14} {'VmRSS MiB':>10} {'push s':>7}")
         pushed, last_rss, last_count, start = 0, rss_bytes(pid), 0, time.perf_counter()
         for checkpoint in checkpoints:
             in_flight = []
@@ -83,20 +96,22 @@ def main() -> None:
                 batch = [dict(rollout_id=f"m{pushed + i}", tokens=tokens, response_length=TOKENS // 2, loss_mask=mask,
                               reward=1.0, advantage=0.5) for i in range(min(BATCH, checkpoint - pushed))]
                 pushed += len(batch)
-                in_flight.append(scheduler.submit.remote(batch))
+                in_flight.append(scheduler.submit.remote(batch, wait_s=TIMEOUT_S))  # waits for room
                 if len(in_flight) >= 4:
-                    ray.get(in_flight.pop(0), timeout=TIMEOUT_S)
-            ray.get(in_flight, timeout=TIMEOUT_S)
+                    assert not ray.get(in_flight.pop(0), timeout=2 * TIMEOUT_S).deferred
+            assert not any(r.deferred for r in ray.get(in_flight, timeout=2 * TIMEOUT_S))
             deadline = time.monotonic() + TIMEOUT_S
             while (stats := ray.get(scheduler.stats.remote(), timeout=TIMEOUT_S)).steps_trained < pushed // GBS:
                 assert time.monotonic() < deadline, "steps did not drain"
                 time.sleep(0.05)
             ray.get(scheduler.__ray_call__.remote(lambda self: gc.collect()), timeout=TIMEOUT_S)
+            untrimmed = rss_bytes(pid)
+            ray.get(scheduler.__ray_call__.remote(_trim_heap), timeout=TIMEOUT_S)
             rss = rss_bytes(pid)
             table = ray.get(scheduler.__ray_call__.remote(lambda self: self.ledger.settled_nbytes()), timeout=TIMEOUT_S)
             trained = stats.ledger.rollouts_by_state["trained"]
             print(f"{pushed:>10} {rss / 2**20:>12.1f} {(rss - last_rss) / (pushed - last_count):>26.1f} "
-                  f"{table / max(trained, 1):>28.1f} {rss_bytes(pid, 'VmRSS') / 2**20:>10.1f} "
+                  f"{table / max(trained, 1):>28.1f} {untrimmed / 2**20:>14.1f} {rss_bytes(pid, 'VmRSS') / 2**20:>10.1f} "
                   f"{time.perf_counter() - start:>7.0f}", flush=True)
             last_rss, last_count = rss, pushed
         print("goal: growth per rollout of a few tens of bytes (the settled table, plus noise of the allocator)")
