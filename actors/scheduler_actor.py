@@ -295,6 +295,34 @@ class SchedulerActor:
             self._changed.notify()
             return len(rollouts)
 
+    async def drop_untrained(self, next_step: int, reason: str = "run_ended") -> int:
+        """The run ended after step `next_step - 1` (its last checkpoint holds every step before):
+        the steps emitted after it and every ready rollout still buffered are dropped with `reason`,
+        so every accepted rollout ends trained, dropped or rejected. Call after `end_of_input`
+        (which closes incomplete rollouts); later `get_shard` calls return None. Returns the number
+        of rollouts dropped. Raises like `rewind` if a step >= `next_step` was already settled.
+        """
+        self._start()
+        self._raise_if_failed()
+        async with self._acting:
+            self.ledger.rewind(next_step)  # scheduled (and unsettled trained) -> buffered, then dropped
+            rollouts = []
+            for step in range(next_step, self._next_step):
+                slot = self._slots.pop(step, None)
+                rollouts += slot.rollouts if slot is not None else self._retained.pop(step, [])
+                undone = self._records.pop(step, None)
+                self._trained_records -= bool(undone is not None and undone.trained)
+            self.intake.return_front(rollouts)
+            self._next_step = next_step
+            self._steps_trained = min(self._steps_trained, next_step)
+            dropped = [r.rollout_id for r in self.intake.take_oldest(self.intake.num_ready)]
+            self._drop(dropped, reason)
+            self._input_closed = self._ended = True
+            self._published.notify()
+            self._changed.notify()
+            self._refresh_gauges()
+            return len(dropped)
+
     # -- producer side ---------------------------------------------------------------
     async def submit(self, samples: Sequence[Sample | dict[str, Any]], wait_s: float = 0.0) -> SubmitResult:
         """Take a batch of samples (any rollouts, any order); see SubmitResult for what happened to each."""

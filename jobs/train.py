@@ -149,7 +149,8 @@ def train(config: JobConfig, records_path: str, on_event=None) -> dict:
 
     Life cycle: scheduler, train group (restored when resuming), producers; the step loop
     (recovering train-group failures); then, in this order, producers stop and the input is
-    closed, the ledger is checked, and the train group and the scheduler go. `on_event(event,
+    closed, what never trained is dropped (run_ended), the ledger is checked, and the train group
+    and the scheduler go. `on_event(event,
     step, controller)`, if given, is called with "step_started" before each step and
     "step_trained" after its record is written (step: the scheduler's; for tests and tools).
     """
@@ -181,6 +182,8 @@ def train(config: JobConfig, records_path: str, on_event=None) -> dict:
         elapsed = time.monotonic() - start
         stop_producers(producers, close_input)
         producers = []
+        # Steps emitted past the last trained one (run.num_steps reached) never train: dropped as run_ended.
+        ray.get(scheduler.drop_untrained.remote(len(trained)), timeout=60)
         stats = ray.get(scheduler.stats.remote(check_ledger=True), timeout=60)
         return {**summarize(stats, trained, elapsed, controller), "producers": close_input.outcome()}
     finally:

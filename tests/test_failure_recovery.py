@@ -135,7 +135,9 @@ def test_a_run_that_reaches_its_last_step_stops_producers_first_and_fails_nothin
     assert summary["steps"] == 2 and len(history) == 2
     states = summary["rollouts_by_state"]
     assert sum(states.values()) < 2 * 40 * 2  # the producers were stopped, not run to the end
-    assert states["buffered"] == 0  # end of input ran: nothing left unaccounted in the buffer
+    # Every accepted rollout ends trained or dropped: what the stopped run never trained is run_ended.
+    assert states["buffered"] == states["scheduled"] == 0 and states["trained"] == sum(summary["rollouts_per_step"])
+    assert summary["dropped_by_reason"].get("run_ended", 0) > 0
     assert summary["producers"]["stopped"] == 2 and summary["producers"]["failed"] == 0
     assert summary["producers"]["input_closed"] and summary["producers"]["abandoned_rollouts"] > 0
     names_free()

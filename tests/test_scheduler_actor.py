@@ -288,3 +288,18 @@ def test_step_records_of_untrained_steps_outlive_the_window(scheduler_factory):
     assert [r.step for r in call(scheduler.stats).recent_steps] == [3, 4]  # trained ones: the newest 2
     with pytest.raises(SchedulerStateError, match="step_record_window"):
         call(scheduler.step_record, 2)
+
+
+def test_drop_untrained_ends_a_run_with_every_rollout_trained_or_dropped(scheduler_factory):
+    scheduler = scheduler_factory("sched-drop-untrained", batch=BatchConfig(global_batch_size=2, max_tokens_per_gpu=64),
+                                  retain_until_checkpoint=True)
+    call(scheduler.register_train_group, ParallelConfig(dp_size=1))
+    call(scheduler.submit, [r for i in range(7) for r in rollout_rows(f"u{i}", 1)])
+    call(scheduler.get_shard, 2, 0, timeout_s=30)  # steps 0-2 emitted, u6 still buffered
+    call(scheduler.ack_step, 0, 0)
+    call(scheduler.checkpointed, 1)  # the run stops after step 0: steps 1 and 2 never train
+    assert call(scheduler.drop_untrained, 1) == 5
+    stats = call(scheduler.stats, include_rollouts=True, check_ledger=True)
+    assert stats.ledger.rollouts_by_state == {"buffered": 0, "scheduled": 0, "trained": 2, "dropped": 5}
+    assert stats.ledger.dropped_by_reason == {"run_ended": 5}
+    assert call(scheduler.get_shard, 1, 0, timeout_s=5) is None  # the stream ended
