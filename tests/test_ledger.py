@@ -39,8 +39,8 @@ def test_recent_rejections_are_bounded_and_counts_exact():
     assert ledger.summary().rejected_samples_by_rule == {"empty_tokens": 10}
 
 
-@pytest.mark.parametrize("illegal", ["train_twice", "schedule_twice", "step_reused", "drop_scheduled", "accept_trained",
-                                     "drop_dropped", "schedule_unknown"])
+@pytest.mark.parametrize("illegal", ["train_twice", "schedule_twice", "step_reused", "drop_scheduled", "drop_dropped",
+                                     "schedule_unknown"])
 def test_illegal_transitions_raise_and_change_nothing(illegal):
     ledger = Ledger()
     ledger.accept_sample("a")
@@ -56,9 +56,6 @@ def test_illegal_transitions_raise_and_change_nothing(illegal):
             ledger.schedule(["b"], 0)
         elif illegal == "drop_scheduled":
             ledger.drop("a", "leftover")
-        elif illegal == "accept_trained":
-            ledger.train_step(0)
-            ledger.accept_sample("a")
         elif illegal == "drop_dropped":
             ledger.drop("b", "leftover")
             ledger.drop("b", "leftover")
@@ -66,6 +63,16 @@ def test_illegal_transitions_raise_and_change_nothing(illegal):
             ledger.schedule(["zzz"], 1)
     ledger.check()  # a refused transition changed nothing
     assert ledger.state("b") in (RolloutState.BUFFERED, RolloutState.DROPPED)
+
+
+def test_check_catches_a_settled_rollout_accepted_again():
+    ledger = Ledger()
+    ledger.accept_sample("a")
+    ledger.schedule(["a"], 0)
+    ledger.train_step(0)
+    ledger.accept_sample("a")  # the intake looks a rollout up before; the hot path does not re-check
+    with pytest.raises(LedgerError, match="both"):
+        ledger.check()
 
 
 def test_check_catches_a_disappeared_rollout():

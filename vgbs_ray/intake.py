@@ -256,9 +256,9 @@ class RolloutIntake:
                                          "sample has neither an advantage nor a group_id/group_size to compute one")
         if first.group_id is None:
             return
-        if first.group_id in self._closed_groups:
-            raise RolloutValidationError(rid, "group_closed", f"group {first.group_id!r} already had all its rollouts")
         group = self._groups.get(first.group_id)
+        if group is None and first.group_id in self._closed_groups:  # an open group is never closed
+            raise RolloutValidationError(rid, "group_closed", f"group {first.group_id!r} already had all its rollouts")
         if group is not None and group.size != first.group_size:
             raise RolloutValidationError(rid, "group_size",
                                          f"group_size {first.group_size} differs from group {first.group_id!r}'s {group.size}")

@@ -124,15 +124,16 @@ class Ledger:
 
     # -- transitions -----------------------------------------------------------------
     def accept_sample(self, rollout_id: Hashable) -> None:
-        """A sample of `rollout_id` was accepted into the buffer (a new rollout becomes BUFFERED)."""
+        """A sample of `rollout_id` was accepted into the buffer (a new rollout becomes BUFFERED).
+
+        The caller has looked the rollout up (`get`) and found it live or unknown: a settled
+        rollout accepted again is not re-checked here (the hot path), but `check()` finds it.
+        """
         old = self._live.get(rollout_id)
         if old is not None:
             if old.state is not RolloutState.BUFFERED:
                 raise LedgerError(f"rollout {rollout_id!r}: sample accepted while {old.state.value} in step {old.step}")
             return
-        settled = self._settled.get(rollout_id)
-        if settled is not None:
-            raise LedgerError(f"rollout {rollout_id!r}: illegal transition {settled[0]} -> buffered")
         self._live[rollout_id] = _BUFFERED
         self._by_state[RolloutState.BUFFERED] += 1
         self._num_accepted += 1
