@@ -122,16 +122,13 @@ def close_input_when_producers_finish(scheduler, producers, timeout_s: float) ->
 def stop_producers(producers, close_input: ProducerWatch | None, timeout_s: float = 60.0) -> None:
     """The end of a run, producers first: ask each to stop (abandoned rollouts end incomplete at
     end of input), then wait for their input to be closed, so none pushes into a dead scheduler."""
-    for actor, _ in producers:
-        try:
-            actor.stop.remote()
-        except Exception:  # noqa: BLE001 - an actor that already died has nothing to stop
-            pass
+    stops = [actor.stop.remote() for actor, _ in producers]
     if close_input is not None:
         close_input.join(timeout_s)
         if close_input.is_alive():
             log.error("producers did not stop within %.0f s; ending the run anyway", timeout_s)
-    for actor, _ in producers:  # idle now (their run returned): going away fails no task
+    ray.wait(stops, num_returns=len(stops), timeout=timeout_s)  # a stop() still running when killed fails
+    for actor, _ in producers:  # idle now (their run and stop returned): going away fails no task
         ray.kill(actor)
 
 
@@ -150,9 +147,9 @@ def train(config: JobConfig, records_path: str, on_event=None) -> dict:
     Life cycle: scheduler, train group (restored when resuming), producers; the step loop
     (recovering train-group failures); then, in this order, producers stop and the input is
     closed, what never trained is dropped (run_ended), the ledger is checked, and the train group
-    and the scheduler go. `on_event(event,
-    step, controller)`, if given, is called with "step_started" before each step and
-    "step_trained" after its record is written (step: the scheduler's; for tests and tools).
+    and the scheduler go. `on_event(event, step, controller)`, if given, is called with
+    "step_started" before each step and "step_trained" after its record is written (step: the
+    scheduler's; for tests and tools).
     """
     out = config.run.output_dir
     resume_from = latest_checkpoint(out) if config.run.resume else None

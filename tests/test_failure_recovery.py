@@ -114,7 +114,10 @@ def test_two_killed_train_ranks_are_recovered_and_every_rollout_trains_exactly_o
     # The first kill broke step 3 (the checkpoint holds steps < 2): step 2 was redone.
     assert recoveries[0]["failed_step"] == 3 and recoveries[0]["restored_step"] == 2
     assert recoveries[0]["steps_redone"] == 1 and recoveries[0]["rollouts_replayed"] >= 8
-    assert recoveries[1]["failed_step"] in (5, 6) and recoveries[1]["restored_step"] == 4
+    # The second broke step 5 in flight (or, had step 5 won the race, step 6 or its checkpoint).
+    second = recoveries[1]
+    assert second["failed_step"] in (5, 6) and second["restored_step"] in (4, 6)
+    assert second["steps_redone"] == second["failed_step"] - second["restored_step"] <= 1
     # Same rollouts as the run without faults, each in exactly one step of the final history.
     flat = [rid for ids in faulty_history for rid in ids]
     assert len(flat) == len(set(flat)) == 28
@@ -130,11 +133,11 @@ def test_two_killed_train_ranks_are_recovered_and_every_rollout_trains_exactly_o
 
 def test_a_run_that_reaches_its_last_step_stops_producers_first_and_fails_nothing(ray_session, tmp_path, capfd):
     # Producers with far more prompts than 2 steps take, still pushing when the run ends.
-    summary, history = run_job(tmp_path / "short", extra=["run.num_steps=2", "producers.prompts_per_agent=40",
+    summary, history = run_job(tmp_path / "short", extra=["run.num_steps=2", "producers.prompts_per_agent=100",
                                                           "producers.max_delay_s=0.2"])
     assert summary["steps"] == 2 and len(history) == 2
     states = summary["rollouts_by_state"]
-    assert sum(states.values()) < 2 * 40 * 2  # the producers were stopped, not run to the end
+    assert sum(states.values()) < 2 * 100 * 2  # the producers were stopped (~10 s early), not run to the end
     # Every accepted rollout ends trained or dropped: what the stopped run never trained is run_ended.
     assert states["buffered"] == states["scheduled"] == 0 and states["trained"] == sum(summary["rollouts_per_step"])
     assert summary["dropped_by_reason"].get("run_ended", 0) > 0
