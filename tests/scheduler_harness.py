@@ -76,37 +76,6 @@ class Pusher:
         return len(rows)
 
 
-class Gate:
-    """A named actor the test opens once: stream blocks wait on it (events, never sleeps)."""
-
-    def __init__(self):
-        import asyncio
-
-        self._open = asyncio.Event()
-
-    async def wait(self, timeout_s: float) -> None:
-        import asyncio
-
-        await asyncio.wait_for(self._open.wait(), timeout_s)
-
-    async def open(self) -> None:
-        self._open.set()
-
-
-GATE_NAME = "stream-gate"
-
-
-def gated_first_block(batch: dict) -> dict:
-    """Uneven stage: the block holding the first row waits for the gate, so later rows finish first.
-
-    One gated block only: Ray Data ramps its task concurrency up as tasks finish, so a few
-    gated tasks could hold every slot it starts with.
-    """
-    if batch["seq"].min() == 0:
-        ray.get(ray.get_actor(GATE_NAME).wait.remote(120), timeout=150)
-    return batch
-
-
 class SimulatedRanks:
     """Many train ranks in one asyncio actor: plain async callers of get_shard / ack_step, no Megatron.
 

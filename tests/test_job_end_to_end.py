@@ -141,6 +141,9 @@ def test_readme_cluster_commands_run_the_job_under_token_auth_and_refuse_a_clien
     assert re.fullmatch(r"[0-9a-f]{64}", token) and token_file.stat().st_mode & 0o777 == 0o600
 
     gcs_port, dashboard_port, metrics_port = free_port(), free_port(), free_port()
+    # Ray's fixed defaults (dashboard agent 52365, client server 10001) are taken while the suite's
+    # in-process cluster runs; a second head whose agent cannot bind never accepts a job.
+    agent_port, client_port = free_port(), free_port()
     log = open(tmp_path / "head.log", "w")
     ray_temp_dir = tempfile.mkdtemp(prefix="vgbs-", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
     # The README's `ray start`, plus what keeps this cluster apart from any other on the machine
@@ -148,6 +151,7 @@ def test_readme_cluster_commands_run_the_job_under_token_auth_and_refuse_a_clien
     head = subprocess.Popen(
         in_user_shell(f"exec ray start --head --num-cpus=8 --dashboard-host=127.0.0.1 --block --port={gcs_port} "
                       f"--dashboard-port={dashboard_port} --metrics-export-port={metrics_port} "
+                      f"--dashboard-agent-listen-port={agent_port} --ray-client-server-port={client_port} "
                       f"--temp-dir={ray_temp_dir}"),
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
@@ -177,11 +181,17 @@ def test_readme_cluster_commands_run_the_job_under_token_auth_and_refuse_a_clien
 
         # The README's `ray job submit`, with this test's small run and --no-wait (the test polls).
         job_args = shlex.join(job_options(tmp_path / "job-out", "run.ray_address=auto"))
-        submitted = subprocess.run(
-            in_user_shell(f"ray job submit --address {address} --working-dir . --no-wait -- "
-                          f"python -m jobs.train {job_args}"),
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-        )
+        deadline = time.monotonic() + 300
+        while True:  # the head's job agent registers some seconds after the API answers: until then a
+            # submit is refused with "No available agent" and creates no job, so it is retried
+            submitted = subprocess.run(
+                in_user_shell(f"ray job submit --address {address} --working-dir . --no-wait -- "
+                              f"python -m jobs.train {job_args}"),
+                cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+            )
+            if "No available agent" not in submitted.stderr or time.monotonic() > deadline:
+                break
+            time.sleep(2)
         assert submitted.returncode == 0, submitted.stderr[-3000:]
         submission_id = re.search(r"Job '(raysubmit_\w+)' submitted successfully",
                                   submitted.stdout + submitted.stderr).group(1)

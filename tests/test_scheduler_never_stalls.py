@@ -51,7 +51,7 @@ def test_every_rollout_trains_or_is_dropped_and_no_flush_times_out(ray_session, 
         trained = {rid for shards in steps for shard in shards for rid in shard.rollout_ids}
         states = stats.rollout_states
         assert set(states) == set(sizes)
-        for rid, (state, step, reason) in states.items():
+        for rid, (state, _, reason) in states.items():
             assert (state == "trained") == (rid in trained), (rid, state)
             assert state in ("trained", "dropped") and (state == "trained" or reason), (rid, state, reason)
         if leftover == "partial":
