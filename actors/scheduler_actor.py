@@ -117,7 +117,6 @@ class _StepSlot:
     refs: list
     rollouts: list
     """The step's rollouts, kept until it is acknowledged (a rewind puts them back in front)."""
-    num_rollouts: int
     acks: dict = field(default_factory=dict)
     """DP rank -> its (sum, count) metric pairs."""
 
@@ -206,7 +205,7 @@ class SchedulerActor:
                 raise ConfigError(f"rank {rank} is outside dp_size={self._parallel.dp_size}")
             slot = self._slots.get(step)
             if slot is not None:
-                return ShardRef(step, rank, slot.refs[rank], slot.num_rollouts)
+                return ShardRef(step, rank, slot.refs[rank], len(slot.rollouts))
             if step < self._next_step:
                 raise SchedulerStateError(f"step {step} was acknowledged by every rank and released")
             if self._ended:
@@ -276,16 +275,7 @@ class SchedulerActor:
                 raise SchedulerStateError(
                     f"cannot rewind to step {next_step}: step {missing[0]} was trained and its rollouts released; "
                     "set SchedulerConfig.retain_until_checkpoint=True and call checkpointed(n) after each checkpoint")
-            self.ledger.rewind(next_step)
-            rollouts = []
-            for step in range(next_step, self._next_step):
-                slot = self._slots.pop(step, None)
-                rollouts += slot.rollouts if slot is not None else self._retained.pop(step)
-                undone = self._records.pop(step, None)
-                self._trained_records -= bool(undone is not None and undone.trained)
-            self.intake.return_front(rollouts)
-            self._next_step = next_step
-            self._steps_trained = min(self._steps_trained, next_step)
+            rollouts = self._undo_steps_from(next_step)
             if self._ended:  # the input had ended: end it again after the replayed steps
                 self._ended = False
                 self._request_flush("end_of_input", end_of_input=True)
@@ -305,16 +295,7 @@ class SchedulerActor:
         self._start()
         self._raise_if_failed()
         async with self._acting:
-            self.ledger.rewind(next_step)  # scheduled (and unsettled trained) -> buffered, then dropped
-            rollouts = []
-            for step in range(next_step, self._next_step):
-                slot = self._slots.pop(step, None)
-                rollouts += slot.rollouts if slot is not None else self._retained.pop(step, [])
-                undone = self._records.pop(step, None)
-                self._trained_records -= bool(undone is not None and undone.trained)
-            self.intake.return_front(rollouts)
-            self._next_step = next_step
-            self._steps_trained = min(self._steps_trained, next_step)
+            self._undo_steps_from(next_step)  # back in front of the buffer, then dropped with the rest
             dropped = [r.rollout_id for r in self.intake.take_oldest(self.intake.num_ready)]
             self._drop(dropped, reason)
             self._input_closed = self._ended = True
@@ -588,7 +569,7 @@ class SchedulerActor:
         )
         self.ledger.schedule(ids, step)
         self.intake.settle(ids)
-        self._slots[step] = _StepSlot(refs=refs, rollouts=rollouts, num_rollouts=len(ids))
+        self._slots[step] = _StepSlot(refs=refs, rollouts=rollouts)
         self._records[step] = record
         self._trim_records()
         self._next_step += 1
@@ -632,6 +613,22 @@ class SchedulerActor:
         if pending.error is not None:
             raise SchedulerStateError(f"{pending.request.trigger} failed in the scheduler: {pending.error}")
         return pending.result
+
+    def _undo_steps_from(self, next_step: int) -> list[ReadyRollout]:
+        """Steps >= `next_step` did not happen: release their shards and records, put their rollouts
+        back in front of the buffer in their original order, and number steps from `next_step` again.
+        Raises LedgerError (changing nothing) if one of them already settled."""
+        self.ledger.rewind(next_step)  # scheduled (and unsettled trained) -> buffered
+        rollouts = []
+        for step in range(next_step, self._next_step):
+            slot = self._slots.pop(step, None)
+            rollouts += slot.rollouts if slot is not None else self._retained.pop(step)
+            undone = self._records.pop(step, None)
+            self._trained_records -= bool(undone is not None and undone.trained)
+        self.intake.return_front(rollouts)
+        self._next_step = next_step
+        self._steps_trained = min(self._steps_trained, next_step)
+        return rollouts
 
     def _raise_if_failed(self) -> None:
         if self._failure is not None:

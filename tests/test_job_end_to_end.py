@@ -182,8 +182,8 @@ def test_readme_cluster_commands_run_the_job_under_token_auth_and_refuse_a_clien
         # The README's `ray job submit`, with this test's small run and --no-wait (the test polls).
         job_args = shlex.join(job_options(tmp_path / "job-out", "run.ray_address=auto"))
         deadline = time.monotonic() + 300
-        while True:  # the head's job agent registers some seconds after the API answers: until then a
-            # submit is refused with "No available agent" and creates no job, so it is retried
+        while True:  # a submit before the head's job agent registered is refused with "No available
+            # agent" and creates no job, so it is retried (wait for readiness, not for a time)
             submitted = subprocess.run(
                 in_user_shell(f"ray job submit --address {address} --working-dir . --no-wait -- "
                               f"python -m jobs.train {job_args}"),

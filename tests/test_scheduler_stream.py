@@ -1,5 +1,5 @@
 """One SchedulerActor fed at once by a Ray Data stream (rows in the order Ray Data yields them) and a
-actor; then its per-step rollout count is scraped from the node's metrics endpoint."""
+pushing producer actor; then its per-step rollout count is scraped from the node's metrics endpoint."""
 
 from __future__ import annotations
 
