@@ -149,6 +149,24 @@ class Generation:
     engine: str
 
 
+@dataclass(frozen=True)
+class EngineUtilization:
+    """How one engine spent its time since it started (seconds of wall time, engine thread)."""
+
+    engine: str
+    busy_s: float
+    """Generating or loading weights."""
+    idle_s: float
+    """Waiting for a call: nothing queued (producers not asking: the engine has spare capacity)."""
+    generate_batches: int
+    requests: int
+
+    @property
+    def idle_share(self) -> float:
+        total = self.busy_s + self.idle_s
+        return self.idle_s / total if total > 0 else 0.0
+
+
 @dataclass
 class _Call:
     kind: Literal["generate", "update"]
@@ -175,6 +193,8 @@ class RolloutEngine:
             kwargs.update(kv_cache_memory_bytes=int(config.kv_cache_gib * (1 << 30)), enforce_eager=True)
         self.llm = LLM(**kwargs)
         self._calls: queue.Queue[_Call] = queue.Queue()
+        self._busy_s = self._idle_s = 0.0
+        self._generate_batches = self._requests = 0
         threading.Thread(target=self._serve, name=f"{name}-vllm", daemon=True).start()
 
     # -- the actor's API (async: callers queue, the engine thread serves) --------------------
@@ -200,6 +220,10 @@ class RolloutEngine:
     def current_policy_version(self) -> int:
         return self.policy_version
 
+    def utilization(self) -> EngineUtilization:
+        return EngineUtilization(engine=self.name, busy_s=self._busy_s, idle_s=self._idle_s,
+                                 generate_batches=self._generate_batches, requests=self._requests)
+
     async def _submit(self, kind: str, payload: tuple):
         loop = asyncio.get_running_loop()
         call = _Call(kind, payload, loop, loop.create_future())
@@ -210,7 +234,10 @@ class RolloutEngine:
 
     def _serve(self) -> None:
         while True:
+            waited = time.perf_counter()
             calls = [self._calls.get()]
+            started = time.perf_counter()
+            self._idle_s += started - waited
             while calls[-1].kind == "generate":  # gather what is queued behind, up to a weight update
                 try:
                     calls.append(self._calls.get_nowait())
@@ -221,6 +248,7 @@ class RolloutEngine:
                 self._run(calls, self._generate_batch)
             if update is not None:
                 self._run([update], self._load)
+            self._busy_s += time.perf_counter() - started
 
     def _run(self, calls: list[_Call], work) -> None:
         try:
@@ -245,6 +273,8 @@ class RolloutEngine:
                 prompts.append({"prompt_token_ids": prompt.tolist()})
                 owners.append(owner)
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        self._generate_batches += 1
+        self._requests += len(prompts)
         results: list[list[Generation]] = [[] for _ in payloads]
         for owner, prompt, output in zip(owners, prompts, outputs):
             completion = output.outputs[0]
@@ -368,6 +398,11 @@ class RolloutEnginePool:
     def update_weights(self, published: PublishedWeights) -> list[ray.ObjectRef]:
         """Every engine loads `published` after its queued requests; returns at once (see `wait_for_weights`)."""
         return [engine.update_weights.remote(published.policy_version, published.ref) for engine in self.engines]
+
+    def utilization(self) -> list[EngineUtilization]:
+        """Each engine's busy and idle time so far (see `EngineUtilization`)."""
+        return self._wait([engine.utilization.remote() for engine in self.engines], self.config.call_timeout_s,
+                          "utilization")
 
     def wait_for_weights(self, loads: list[ray.ObjectRef], timeout_s: float | None = None) -> list[WeightLoad]:
         return self._wait(loads, self.config.call_timeout_s if timeout_s is None else timeout_s, "update_weights")

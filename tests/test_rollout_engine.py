@@ -152,6 +152,19 @@ def test_concurrent_async_callers_through_a_pickled_client_match_one_blocking_ca
         assert np.allclose(a.response_log_probs, b.response_log_probs, atol=1e-5)
 
 
+def test_utilization_counts_requests_and_splits_the_engines_time_into_busy_and_idle(system):
+    """What the job reports as engine idle time: the engine thread's wait for work vs its work."""
+    _, engines, _ = system
+    (before,) = engines.utilization()
+    engines.generate(PROMPTS[:2], SamplingConfig(max_tokens=4, seed=1))
+    (after,) = engines.utilization()
+    assert after.requests == before.requests + 2
+    assert after.generate_batches == before.generate_batches + 1
+    assert after.busy_s > before.busy_s
+    assert after.idle_s >= before.idle_s > 0  # the engine waited for this module's first call
+    assert 0 < after.idle_share < 1
+
+
 def test_a_dead_engine_is_an_error_naming_it_not_a_hang(system):
     """Runs last: it kills the module's engine."""
     _, engines, _ = system
