@@ -13,6 +13,7 @@ from vgbs_ray.config import ParallelConfig
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.lr_schedule import LRScheduleConfig
 from vgbs_ray.metrics import MetricPairs
+from vgbs_ray.off_policy import OffPolicyConfig
 
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -96,17 +97,34 @@ class OptimizerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LossConfig:
-    clip_eps: float = 0.2
-    """PPO ratio clip: the ratio is clipped to [1 - clip_eps, 1 + clip_eps]."""
-    recompute_old_log_probs: bool = False
-    """Take old log-probs from a forward pass before the update even when the shard carries
-    rollout log-probs (without them the forward pass is always used)."""
+    """The policy loss of a train step.
+
+    `off_policy` is the one source of truth for staleness and its correction: the trainer's loss
+    reads `off_policy.policy_loss` / `clip_eps` / `is_weight_cap`, and the job configures the
+    scheduler and producers from `off_policy.max_staleness` (YAML `train.loss.off_policy.*`).
+
+    Old / proximal log-probs (no flag: one train step is one optimizer update, so the step's own
+    forward pass runs on the step-start weights):
+      ppo            clips against the shard's behaviour log-probs (`rollout_log_probs`); a shard
+                     without them clips against the step-start policy, recomputed by a
+                     `forward_only` pass before the update.
+      decoupled_ppo  clips against the step-start (proximal) policy = the detached log-probs of
+                     the loss's own forward pass, and weights by pi_prox / pi_behave; a shard
+                     without behaviour log-probs is refused.
+    (This replaces `recompute_old_log_probs`: clipping against the step-start policy while the
+    shard carries behaviour log-probs is what decoupled_ppo does, with the importance weight.)
+    """
+
+    off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
+    """Staleness bound and policy loss: max_staleness, policy_loss ('ppo' / 'decoupled_ppo'),
+    clip_eps, is_weight_cap, allow_uncorrected_staleness (see vgbs_ray/off_policy.py)."""
     legacy_max_tokens_per_microbatch: int = 1024
     """Legacy path only (a shard without a layout): the token cap a rank packs its own samples under."""
 
     def __post_init__(self):
-        if not 0 < self.clip_eps < 1:
-            raise ConfigError(f"LossConfig.clip_eps must be in (0, 1), got {self.clip_eps}")
+        if not isinstance(self.off_policy, OffPolicyConfig):
+            raise ConfigError(f"LossConfig.off_policy must be an OffPolicyConfig, got {type(self.off_policy).__name__} "
+                              "(YAML: a mapping under train.loss.off_policy)")
         if self.legacy_max_tokens_per_microbatch <= 0:
             raise ConfigError("LossConfig.legacy_max_tokens_per_microbatch must be positive, "
                               f"got {self.legacy_max_tokens_per_microbatch}")

@@ -9,12 +9,23 @@ A step (`RankTrainer.train_shard`), the same on CPU (gloo) and GPU (NCCL):
    PP and TP peers of a DP rank train the same shard, so every stage sees the same list.
    With context parallelism (GPU) each CP rank keeps its load-balanced share of every row
    (`vgbs_ray.context_parallel`).
-2. Old log-probs: the shard's rollout log-probs, or Megatron's schedule with `forward_only=True`
-   before the update (the proximal policy; the last stage keeps them).
+2. Log-probs the loss compares against (`vgbs_ray.policy_loss.micro_batch_loss`, chosen by
+   `config.loss.off_policy.policy_loss`):
+   - behaviour: the shard's `rollout_log_probs` (the engine's, at sampling time), per
+     micro-batch `PackedMicroBatch.old_log_probs`;
+   - proximal (the policy at the start of the step): a step takes exactly one optimizer update,
+     after the last micro-batch's backward, so the loss's own forward pass already runs on the
+     step-start weights: the proximal log-probs are that forward's log-probs, detached. No
+     extra forward pass (tests/test_train_step.py checks it equals a separate no-grad pass).
+   Only `ppo` on a shard without behaviour log-probs runs Megatron's schedule with
+   `forward_only=True` before the update (the last stage keeps the result) and clips against
+   it; `decoupled_ppo` refuses such a shard before any collective, naming step, rank and positions.
 3. Megatron's schedule (`actors/megatron_step.py`): the first stage embeds each packed THD row,
    the last computes the per-rollout loss (divided by the step's `num_rollouts`, times
-   M * dp_size to undo Megatron's averaging) and the metric pairs; DDP all-reduces the
-   gradients (SUM of pre-scaled gradients).
+   M * dp_size to undo Megatron's averaging; importance weights touch numerators only) and
+   the metric pairs (`OFF_POLICY_METRIC_NAMES`: loss, reward, clip_fraction, ratio, approx_kl,
+   is_weight, is_truncated, log_prob_mismatch); DDP all-reduces the gradients (SUM of
+   pre-scaled gradients).
 4. Clip, set the LR for the rollouts consumed so far, optimizer step (Megatron's optimizer).
 
 Metrics travel once: the lead rank of each DP replica (TP/CP rank 0 of the last stage) returns
@@ -42,7 +53,7 @@ from vgbs_ray.errors import VgbsError
 from vgbs_ray.lr_schedule import lr_at
 from vgbs_ray.metrics import MetricPairs, reduce_metric_pairs
 from vgbs_ray.microbatch import PackedMicroBatch, legacy_micro_batches, pack_micro_batch, pad_micro_batches
-from vgbs_ray.policy_loss import micro_batch_policy_loss, undo_averaging_factor
+from vgbs_ray.policy_loss import micro_batch_loss, undo_averaging_factor
 from vgbs_ray.shard import StepShard
 
 log = logging.getLogger(__name__)
@@ -78,15 +89,19 @@ class RankTrainer:
                 f"step {shard.step}: shard for dp rank {shard.rank} of {shard.dp_size} sent to dp rank "
                 f"{self.info.dp_rank} of {self.dp_size}; the scheduler's ParallelConfig must be this group's"
             )
+        self._check_behaviour_log_probs(shard)  # before the first collective (the legacy path's MAX)
         micro_batches = [pack_micro_batch(shard, positions) if len(positions) else padding_micro_batch()
                          for positions in self._micro_batch_positions(shard)]
         if self.config.cp_size > 1:  # GPU only (TrainGroupConfig refuses CP on CPU)
             micro_batches = [split_for_context_parallel(mb, self.info.cp_rank, self.config.cp_size)
                              for mb in micro_batches]
-        old_log_probs = self._old_log_probs(shard, micro_batches)
+        behaviour = None if shard.rollout_log_probs is None else [mb.old_log_probs for mb in micro_batches]
+        # ppo without behaviour log-probs clips against the step-start policy, recomputed here
+        # (an empty shard has only padding micro-batches: nothing to compare).
+        step_start = self.step_start_log_probs(micro_batches) if behaviour is None and shard.num_samples else None
         self.consumed_rollouts += shard.num_rollouts
         lr = lr_at(self.config.optimizer.lr_schedule, self.consumed_rollouts)
-        local, grad_norm = self._step(micro_batches, old_log_probs, shard.num_rollouts, lr)
+        local, grad_norm = self._step(micro_batches, behaviour, shard.num_rollouts, lr, step_start=step_start)
         if self.config.cp_size > 1:
             local = self._sum_over_context_parallel(local)
         return RankStepResult(
@@ -142,10 +157,27 @@ class RankTrainer:
         dist.all_reduce(values, op=dist.ReduceOp.SUM, group=parallel_state.get_context_parallel_group())
         return {name: (total, count) for name, (total, count) in zip(names, values.view(-1, 2).cpu().tolist())}
 
-    def _old_log_probs(self, shard: StepShard, micro_batches: list[PackedMicroBatch]) -> list[torch.Tensor | None]:
-        """Per micro-batch, the old log-probs the loss compares against (last stage only; None elsewhere)."""
-        if shard.rollout_log_probs is not None and not self.config.loss.recompute_old_log_probs:
-            return [mb.old_log_probs for mb in micro_batches]
+    def _check_behaviour_log_probs(self, shard: StepShard) -> None:
+        """decoupled_ppo cannot do without behaviour log-probs: a shard with samples but no
+        `rollout_log_probs` is refused here, on every rank, before the step's first collective
+        (a failure inside the schedule would leave pipeline and DP peers waiting for a message)."""
+        if shard.rollout_log_probs is not None or not shard.num_samples:
+            return
+        if self.config.loss.off_policy.needs_behaviour_log_probs:
+            rollouts = list(dict.fromkeys(shard.rollout_ids))
+            raise ValueError(
+                f"policy_loss='decoupled_ppo' needs behaviour log-probs (the samples' rollout_log_probs) for "
+                f"step {shard.step}, dp rank {shard.rank}: shard positions 0..{shard.num_samples - 1} "
+                f"(rollouts {rollouts[:5]}{' ...' if len(rollouts) > 5 else ''}) lack them; producers must "
+                "send rollout_log_probs with every sample, or set train.loss.off_policy.policy_loss=ppo")
+
+    def step_start_log_probs(self, micro_batches: list[PackedMicroBatch]) -> list[torch.Tensor | None]:
+        """Per micro-batch, the response log-probs under the current weights, from a separate
+        `forward_only` pass of Megatron's schedule (last stage only; None elsewhere).
+
+        Called before the update this is the step-start (proximal) policy: numerically what the
+        loss's own forward pass yields, detached (same weights, no dropout, same packing).
+        """
         result: list[torch.Tensor | None] = [None] * len(micro_batches)
 
         def keep(index, logits):
@@ -157,21 +189,30 @@ class RankTrainer:
             self.megatron.run(micro_batches, keep, forward_only=True)
         return result
 
-    def _step(self, micro_batches, old_log_probs, num_rollouts: int, lr: float) -> tuple[MetricPairs, float]:
+    def _step(self, micro_batches, behaviour, num_rollouts: int, lr: float, *,
+              step_start: list[torch.Tensor | None] | None = None) -> tuple[MetricPairs, float]:
+        """One optimizer update over `micro_batches`; the loss compares against `behaviour` (per
+        micro-batch, or None) and the proximal policy: `step_start` when given (a separate
+        forward pass before the update), else the detached log-probs of this very forward pass,
+        which runs on the step-start weights (the update comes after every micro-batch's backward).
+        """
         # Megatron divides each micro-batch's loss by their count and DDP scales gradients by
         # 1 / dp before its SUM (module docstring of megatron_step): multiply both back, so the
         # reduced gradient is the mean over the step's rollouts whatever dp, split or packing.
         factor = undo_averaging_factor(dp_size=self.dp_size, num_microbatches=len(micro_batches),
                                        grads_averaged_over_dp=True, loss_averaged_over_microbatches=True)
-        clip_eps = self.config.loss.clip_eps
+        off_policy = self.config.loss.off_policy
         parts: list[MetricPairs] = []
 
         def loss(index, logits):
             mb = micro_batches[index]
             if mb.num_samples == 0:
                 return logits.sum() * 0.0  # a padding micro-batch: zero loss, zero gradient
-            value, pairs = micro_batch_policy_loss(self.megatron.response_log_probs(logits, mb), old_log_probs[index],
-                                                   mb, num_rollouts=num_rollouts, clip_eps=clip_eps)
+            log_probs = self.megatron.response_log_probs(logits, mb)
+            proximal = log_probs.detach() if step_start is None else step_start[index]
+            value, pairs = micro_batch_loss(off_policy, log_probs, mb, num_rollouts=num_rollouts,
+                                            behaviour_log_probs=None if behaviour is None else behaviour[index],
+                                            proximal_log_probs=proximal)
             parts.append(pairs)
             return value * factor
 

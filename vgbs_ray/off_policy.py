@@ -10,7 +10,8 @@ k - v_old (`vgbs_ray.staleness`). The loss choices (`vgbs_ray.policy_loss`):
                  that may be several updates old and has no correction for it.
   decoupled_ppo  decoupled PPO with truncated importance weights: the ratio pi / pi_prox is
                  clipped against the *proximal* policy (the weights at the start of the
-                 step, recomputed by a no-grad forward pass), and each token's term is
+                 step: with one optimizer update per step, the detached log-probs of the
+                 loss's own forward pass; no extra pass), and each token's term is
                  weighted by w = min(pi_prox / pi_behave, is_weight_cap) (no gradient through w).
 
 This config refuses `max_staleness > 0` with plain `ppo` unless the user opts in with
@@ -66,7 +67,8 @@ class OffPolicyConfig:
 
     @property
     def needs_proximal_log_probs(self) -> bool:
-        """Whether the trainer must run a no-grad forward pass at step start (the proximal policy)."""
+        """Whether the loss needs the proximal (step-start) log-probs. A trainer taking one optimizer
+        update per step has them for free: its loss forward runs on the step-start weights."""
         return self.policy_loss == "decoupled_ppo"
 
     @property

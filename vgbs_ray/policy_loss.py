@@ -124,7 +124,8 @@ def micro_batch_loss(
 
     All tensors are flat over the micro-batch's response tokens. `behaviour_log_probs`: the
     engine's log-probs at sampling time (the shard's `rollout_log_probs`); `proximal_log_probs`:
-    a no-grad forward pass at step start (before any update of this step).
+    the policy at step start (before any update of this step): a no-grad forward pass, or, when
+    this forward runs on the step-start weights (one update per step), `log_probs.detach()`.
       ppo            old = behaviour (or proximal when behaviour is None); returns exactly
                      what `micro_batch_policy_loss` returns, plus the extra metrics.
       decoupled_ppo  needs both (`config.needs_proximal_log_probs`); see
