@@ -1,0 +1,62 @@
+"""The Grafana dashboard plots series that exist, and the driver's job metrics reach Ray's metrics port."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+from pathlib import Path
+
+import ray
+from ray.util.metrics import Metric
+
+from actors.scheduler_metrics import SchedulerMetrics
+from jobs.job_metrics import METRIC_NAMES, JobMetrics
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "dashboards" / "vgbs_grafana.json"
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def _exported_names(ray_session) -> set[str]:
+    scheduler = SchedulerMetrics("dashboard-test")
+    names = {value.info["name"] for value in vars(scheduler).values() if isinstance(value, Metric)}
+    return names | set(METRIC_NAMES)
+
+
+def _dashboard_series(text: str) -> set[str]:
+    series = set()
+    for name in re.findall(r"ray_(vgbs_[a-z_]+)", text):
+        for suffix in HISTOGRAM_SUFFIXES:
+            if name.endswith(suffix) and not name.endswith("_total"):
+                name = name[: -len(suffix)]
+        series.add(name)
+    return series
+
+
+def test_every_dashboard_series_is_exported_and_every_job_metric_has_a_panel(ray_session):
+    dashboard = json.loads(DASHBOARD.read_text())
+    panel_exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    exported = _exported_names(ray_session)
+    assert _dashboard_series(json.dumps(dashboard)) - exported == set()
+    assert set(METRIC_NAMES) - {"vgbs_job_step"} <= _dashboard_series(panel_exprs)  # the step feeds the $run picker
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+
+
+def test_job_metrics_reach_the_metrics_export_port(ray_session):
+    run = "dashboard-test-run"
+    metrics = JobMetrics(run)
+    metrics.on_step(step=3, num_rollouts=16, reward=0.625, policy_version=4, weight_sync_s=0.5,
+                    trainer_idle_s=float("nan"))
+    metrics.on_engines(0.25)
+    port = ray.nodes()[0]["MetricsExportPort"]
+    pattern = re.compile(r'^ray_(vgbs_job_[a-z_]+)\{[^}]*run="%s"[^}]*\} ([0-9.e+-]+)$' % run, re.M)
+    found: dict = {}
+    deadline = time.monotonic() + 45
+    while time.monotonic() < deadline and len(found) < 6:  # exported every few seconds
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        found = {name: float(value) for name, value in pattern.findall(text)}
+        time.sleep(0.5)
+    assert found == {"vgbs_job_step": 3.0, "vgbs_job_step_rollouts": 16.0, "vgbs_job_reward": 0.625,
+                     "vgbs_job_policy_version": 4.0, "vgbs_job_weight_sync_s": 0.5,
+                     "vgbs_job_engine_idle_share": 0.25}  # NaN and None are not set
