@@ -6,7 +6,7 @@ sees: the trained step's reward, the policy version it published, how long the w
 how long the trainer waited for its shard, and how much of the engines' time went idle. Each is a
 gauge of the last step, tagged with the run's output directory, on every node's metrics export
 port (Prometheus text, prefix `ray_`), e.g. `ray_vgbs_job_policy_version{run="runs/latest"} 12.0`.
-`dashboards/vgbs_grafana.json` plots these and the scheduler's series.
+`docs/grafana/vgbs-dashboard.json` plots these and the scheduler's series.
 """
 
 from __future__ import annotations

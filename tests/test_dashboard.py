@@ -14,7 +14,7 @@ from ray.util.metrics import Metric
 from actors.scheduler_metrics import SchedulerMetrics
 from jobs.job_metrics import METRIC_NAMES, JobMetrics
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "dashboards" / "vgbs_grafana.json"
+DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "vgbs-dashboard.json"
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 
