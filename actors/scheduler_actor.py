@@ -50,13 +50,15 @@ from vgbs_ray.intake import IngestOutcome, ReadyRollout, RolloutIntake
 from vgbs_ray.ledger import Ledger
 from vgbs_ray.metrics import reduce_metric_pairs
 from vgbs_ray.sample import Sample
+from vgbs_ray.scheduler_state import SchedulerState
+from vgbs_ray.settled_ids import SettledIds
 from vgbs_ray.scheduler_policy import (
     EmitFullStep, FlushRequest, MaxWaitFlush, RunFlush, SchedulerView, WaitFor, admit_new_rollouts, next_action,
 )
 from vgbs_ray.stepping import PlannedStep, leftover_action, leftover_drop_reason, plan_step
 
 __all__ = [
-    "FlushResult", "SchedulerActor", "SchedulerConfig", "SchedulerStats", "ShardRef", "StepRecord",
+    "FlushResult", "SchedulerActor", "SchedulerConfig", "SchedulerState", "SchedulerStats", "ShardRef", "StepRecord",
     "SubmitResult", "create_scheduler",
 ]
 
@@ -124,7 +126,7 @@ class _StepSlot:
 class SchedulerActor:
     """Plain class; `create_scheduler` makes it a named asyncio Ray actor. See the module docstring."""
 
-    def __init__(self, config: SchedulerConfig, name: str = DEFAULT_NAME):
+    def __init__(self, config: SchedulerConfig, name: str = DEFAULT_NAME, restore: SchedulerState | None = None):
         self.config = config
         self.name = name
         if ray.get_runtime_context().get_actor_id() is not None:
@@ -161,6 +163,28 @@ class SchedulerActor:
         self._emitter: asyncio.Task | None = None
         self._acting: asyncio.Lock | None = None       # held by the emitter while it carries out an action, and by rewind
         self._layout_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-layout")
+        if restore is not None:
+            self._restore(restore)
+
+    def _restore(self, state: SchedulerState) -> None:
+        """Resume `state` (see vgbs_ray.scheduler_state): global step numbers continue at
+        state.next_step, settled rollouts stay settled, untrained ones are buffered in front."""
+        if not isinstance(state, SchedulerState):
+            raise ConfigError(f"restore must be a SchedulerState (export_state), got {type(state).__name__}")
+        settled = SettledIds.from_bytes(state.settled)
+        again = next((rid for rid in state.intake.rollout_ids if rid in settled), None)
+        if again is not None:
+            raise ConfigError(f"SchedulerState lists rollout {again!r} both as settled and as untrained")
+        self.ledger = Ledger.restored(settled, next_step=state.next_step,
+                                      rejected_samples_by_rule=state.rejected_samples_by_rule)
+        self.intake = RolloutIntake(self.config.intake, self.ledger)
+        self.intake.restore(state.intake, now=time.monotonic())
+        self._next_step = self._steps_trained = state.next_step
+        self._accepted, self._rejected = state.accepted_samples, state.rejected_samples
+        self._rollouts_seen = len(state.intake.ready)
+        self._refresh_gauges()
+        self.log.info("%s: restored at step %d: %d settled rollouts, %d untrained back in the buffer",
+                      self.name, state.next_step, len(settled), state.num_live_rollouts)
 
     def _start(self) -> None:
         """On the event loop, at the first call: signals and the emitter coroutine."""
@@ -303,6 +327,49 @@ class SchedulerActor:
             self._changed.notify()
             self._refresh_gauges()
             return len(dropped)
+
+    # -- checkpoints -------------------------------------------------------------------
+    async def export_state(self, next_step: int) -> SchedulerState:
+        """The state a checkpoint holding every step < `next_step` needs to resume this scheduler
+        in a new job (`create_scheduler(..., restore=state)`); see vgbs_ray.scheduler_state.
+
+        Precondition: every step < `next_step` was acknowledged by every rank (trained). Steps
+        >= `next_step` already emitted (in flight, or trained with retain_until_checkpoint) are
+        exported as untrained, in front. Changes nothing here: the run goes on. Raises
+        SchedulerStateError if a step < `next_step` is not trained, `next_step` was never reached,
+        or a step >= `next_step` was trained and released (no retain_until_checkpoint).
+        """
+        self._start()
+        self._raise_if_failed()
+        async with self._acting:  # between emissions: nothing is half taken
+            if not 0 <= next_step <= self._next_step:
+                raise SchedulerStateError(f"cannot export at step {next_step}: steps emitted so far are "
+                                          f"< {self._next_step}, and a checkpoint holds trained steps only")
+            untrained = sorted(s for s in self._slots if s < next_step)
+            if untrained:
+                raise SchedulerStateError(f"cannot export at step {next_step}: step {untrained[0]} is not acknowledged "
+                                          "by every rank yet; export after acking every step before the checkpoint")
+            released = [s for s in range(next_step, self._next_step) if s not in self._slots and s not in self._retained]
+            if released:
+                raise SchedulerStateError(
+                    f"cannot export at step {next_step}: step {released[0]} was trained and its rollouts released; "
+                    "set SchedulerConfig.retain_until_checkpoint=True or export at a later step")
+            front = [r for s in range(next_step, self._next_step)
+                     for r in (self._slots[s].rollouts if s in self._slots else self._retained[s])]
+            settled = self.ledger.export_settled(next_step)
+            summary = self.ledger.summary()
+            return SchedulerState(
+                next_step=next_step, settled=settled.to_bytes(), intake=self.intake.snapshot(front),
+                policy_version=next_step, rejected_samples_by_rule=dict(summary.rejected_samples_by_rule),
+                dropped_by_reason=settled.counts()[1], accepted_samples=self._accepted,
+                rejected_samples=self._rejected)
+
+    async def known_rollouts(self, rollout_ids: Sequence) -> list[bool]:
+        """For each id: does the scheduler hold it (buffered, partly received, in a step, trained or
+        dropped)? A resumed producer skips the ones that are known; a rollout none of whose samples
+        was accepted is not known. O(1) per id."""
+        self._start()
+        return [self.ledger.get(rid) is not None for rid in rollout_ids]
 
     # -- producer side ---------------------------------------------------------------
     async def submit(self, samples: Sequence[Sample | dict[str, Any]], wait_s: float = 0.0) -> SubmitResult:
@@ -649,14 +716,17 @@ class SchedulerActor:
 
 
 def create_scheduler(config: SchedulerConfig, name: str = DEFAULT_NAME, *, namespace: str | None = None,
-                     lifetime: str | None = None):
+                     lifetime: str | None = None, restore: SchedulerState | None = None):
     """Start the SchedulerActor as a named asyncio Ray actor (num_cpus=0) and return its handle.
 
     Producers find it with `ray.get_actor(name)`. Raises ValueError if the name is taken.
+    restore: a `SchedulerState` from `export_state(n)`: the new scheduler's first step is n (steps
+    keep their global numbers), trained and dropped rollouts stay settled, and the untrained
+    ones train first, in their exported order.
     """
     options: dict[str, Any] = dict(name=name, num_cpus=0, max_concurrency=config.max_concurrency)
     if namespace is not None:
         options["namespace"] = namespace
     if lifetime is not None:
         options["lifetime"] = lifetime
-    return ray.remote(SchedulerActor).options(**options).remote(config, name)
+    return ray.remote(SchedulerActor).options(**options).remote(config, name, restore)

@@ -147,3 +147,66 @@ def test_rewind_puts_unsettled_steps_back_and_they_train_once():
     with pytest.raises(LedgerError, match="already settled"):
         ledger.rewind(1)
     ledger.check()
+
+
+def test_settled_ids_round_trip_through_bytes_in_another_process():
+    """to_bytes/from_bytes keeps every id, step and reason; the index is rebuilt under the reader's hash salt."""
+    import subprocess
+
+    table = SettledIds()
+    for i in range(5000):  # > MERGE_EVERY: part sorted index, part recent additions
+        table.add(f"r{i}", step=i // 7) if i % 4 else table.add(i, reason=("stale", "incomplete_rollout")[i % 8 == 0])
+    data = table.to_bytes()
+    assert len(data) < table.nbytes()  # the index is not written
+    back = SettledIds.from_bytes(data)
+    assert list(back) == list(table) and back.counts() == table.counts()
+    assert back.counts() == (3750, {"stale": 625, "incomplete_rollout": 625})
+    assert back.get("r9") == ("trained", 1, None) and back.get(8) == ("dropped", None, "incomplete_rollout")
+    assert back.get("r4") is None and back.get(9) is None
+    back.add("new", reason="stale")  # a restored table goes on growing, and stays exact
+    with pytest.raises(KeyError):
+        back.add("r1", step=0)
+    copy = table.copy()
+    copy.add("only-in-copy", step=1)
+    assert "only-in-copy" not in table and len(copy) == len(table) + 1
+    with pytest.raises(ValueError, match="truncated"):
+        SettledIds.from_bytes(data[:-3])
+    with pytest.raises(ValueError, match="not a SettledIds"):
+        SettledIds.from_bytes(b"nope")
+    # Another interpreter hashes bytes with another salt: the reader must rebuild its index.
+    code = ("import sys; from vgbs_ray.settled_ids import SettledIds; t = SettledIds.from_bytes(sys.stdin.buffer.read()); "
+            "print(t.get('r4999'), t.get(4096), t.get('r4'))")
+    out = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, check=True, timeout=120,
+                         env={**__import__("os").environ, "PYTHONHASHSEED": "12345"}).stdout.decode().strip()
+    assert out == "('trained', 714, None) ('dropped', None, 'incomplete_rollout') None"
+
+
+def test_export_settled_holds_trained_unsettled_steps_and_leaves_the_ledger_alone():
+    ledger = Ledger()
+    for step in range(3):
+        ids = [f"s{step}-{i}" for i in range(2)]
+        for rid in ids:
+            ledger.accept_sample(rid)
+        ledger.schedule(ids, step)
+        if step < 2:
+            ledger.train_step(step, settle=step == 0)
+    ledger.accept_sample("buffered")
+    ledger.drop("buffered", "stale")
+    with pytest.raises(LedgerError, match="step 2 < 3 is scheduled but not trained"):
+        ledger.export_settled(3)
+    table = ledger.export_settled(2)
+    assert table.get("s1-0") == ("trained", 1, None) and table.get("s2-0") is None
+    assert table.counts() == (4, {"stale": 1})
+    assert ledger.state("s1-0").value == "trained" and ledger.get("s1-0") == ledger._live["s1-0"]  # still live here
+    restored = Ledger.restored(SettledIds.from_bytes(table.to_bytes()), next_step=2,
+                               rejected_samples_by_rule={"duplicate_sample": 3})
+    for rid in ("s2-0", "s2-1"):
+        restored.accept_sample(rid)
+    restored.schedule(["s2-0", "s2-1"], 2)
+    with pytest.raises(LedgerError, match="already scheduled"):
+        restored.schedule(["x"], 1)
+    restored.check()
+    summary = restored.summary()
+    assert summary.rollouts_by_state == {"buffered": 0, "scheduled": 2, "trained": 4, "dropped": 1}
+    assert summary.dropped_by_reason == {"stale": 1} and summary.num_rollouts_accepted == 7
+    assert summary.rejected_samples_by_rule == {"duplicate_sample": 3}

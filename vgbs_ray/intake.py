@@ -30,6 +30,10 @@ open, and new rollouts of a group already open, are always admitted: refusing th
 never free the buffer (their rollouts would stay incomplete forever).
 
 Ready order: first ready (completed and advantaged), first out.
+
+Checkpoints: `snapshot()` is the buffered state as plain data (`IntakeSnapshot`: samples
+with their arrays, ids, group bookkeeping); `restore()` loads one into an empty intake and
+accepts its rollouts in the ledger again, ready ones in their order ahead of later pushes.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from vgbs_ray.ledger import Ledger, Rejection, RolloutState
 from vgbs_ray.sample import Sample, check_sibling, validate_sample
 from vgbs_ray.settled_ids import SettledIds
 
-__all__ = ["IngestOutcome", "IntakeConfig", "ReadyRollout", "Rejection", "RolloutIntake", "UNIFORM_GROUP_REASON"]
+__all__ = ["IngestOutcome", "IntakeConfig", "IntakeSnapshot", "ReadyRollout", "Rejection", "RolloutIntake", "UNIFORM_GROUP_REASON"]
 
 UNIFORM_GROUP_REASON = "uniform_group_reward"
 
@@ -90,6 +94,26 @@ class ReadyRollout:
     @property
     def num_tokens(self) -> int:
         return sum(s.total_length for s in self.samples)
+
+
+@dataclass(frozen=True)
+class IntakeSnapshot:
+    """The intake's buffered rollouts as plain data (no times: a restore starts their clocks anew)."""
+
+    ready: tuple = ()
+    """(rollout_id, samples) of complete, advantaged rollouts, in the order they are taken."""
+    waiting: tuple = ()
+    """(rollout_id, samples) of complete rollouts waiting for their group's advantages."""
+    open: tuple = ()
+    """(rollout_id, expected sample count or None, accepted samples by sample_index) of partly received rollouts."""
+    groups: tuple = ()
+    """(group_id, group_size, ((member, reward) of complete members), members seen) of open groups."""
+    closed_groups: bytes = b""
+    """`SettledIds.to_bytes()` of every group that had all its rollouts ("" = none)."""
+
+    @property
+    def rollout_ids(self) -> list:
+        return [rid for part in (self.ready, self.waiting) for rid, _ in part] + [rid for rid, _, _ in self.open]
 
 
 @dataclass
@@ -349,6 +373,43 @@ class RolloutIntake:
     def _release(self, samples: Sequence[Sample]) -> None:
         self.buffered_samples -= len(samples)
         self.buffered_tokens -= sum(s.total_length for s in samples)
+
+    # -- checkpoints -----------------------------------------------------------------
+    def snapshot(self, front: Sequence[ReadyRollout] = ()) -> IntakeSnapshot:
+        """The buffered state as plain data; `front` (e.g. rollouts of emitted, untrained steps) goes
+        ahead of the ready ones. Changes nothing. Call between emissions (nothing taken)."""
+        if self._taken:
+            raise RuntimeError(f"{len(self._taken)} rollouts are being scheduled: snapshot between emissions")
+        return IntakeSnapshot(
+            ready=tuple((r.rollout_id, r.samples) for r in [*front, *self._ready.values()]),
+            waiting=tuple((rid, self._groups[gid].waiting[rid][0]) for rid, gid in self._waiting_group.items()),
+            open=tuple((rid, e.expected, tuple(e.samples[i] for i in sorted(e.samples))) for rid, e in self._open.items()),
+            groups=tuple((gid, g.size, tuple(g.rewards.items()), tuple(g.members)) for gid, g in self._groups.items()),
+            closed_groups=self._closed_groups.to_bytes() if len(self._closed_groups) else b"",
+        )
+
+    def restore(self, snapshot: IntakeSnapshot, *, now: float) -> None:
+        """Load `snapshot` into this empty intake and accept its rollouts in the ledger (BUFFERED)."""
+        if self.num_buffered_rollouts or self._groups or len(self._closed_groups):
+            raise RuntimeError("restore needs an empty intake")
+        if snapshot.closed_groups:
+            self._closed_groups = SettledIds.from_bytes(snapshot.closed_groups)
+        for gid, size, rewards, members in snapshot.groups:
+            self._groups[gid] = _Group(size=size, rewards=dict(rewards), members=set(members))
+        for rid, samples in snapshot.ready:
+            self._ready[rid] = ReadyRollout(rid, tuple(samples), completed_at=now, ready_at=now)
+        for rid, samples in snapshot.waiting:
+            gid = samples[0].group_id
+            self._groups[gid].waiting[rid] = (tuple(samples), now)
+            self._waiting_group[rid] = gid
+        for rid, expected, samples in snapshot.open:
+            self._open[rid] = _Open(samples[0], {s.sample_index: s for s in samples}, expected)
+        for rid in snapshot.rollout_ids:
+            self.ledger.accept_sample(rid)
+        every = [s for part in (snapshot.ready, snapshot.waiting) for _, ss in part for s in ss]
+        every += [s for _, _, ss in snapshot.open for s in ss]
+        self.buffered_samples = len(every)
+        self.buffered_tokens = sum(s.total_length for s in every)
 
     # -- leaving the buffer ----------------------------------------------------------
     def take_oldest(self, count: int) -> list[ReadyRollout]:

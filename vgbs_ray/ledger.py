@@ -20,6 +20,11 @@ Recovery. `train_step(k, settle=False)` keeps step k's rollouts live as TRAINED 
 every step >= n that is not settled (trained or only scheduled) back to BUFFERED, so they
 train again, once, after the train group restored the checkpoint of step n.
 
+Resume across job restarts. `export_settled(n)` is the settled table a checkpoint holding every
+step < n needs (steps < n trained but not yet settled are written as trained, the live ledger is
+left alone); `Ledger.restored(settled, next_step=n, ...)` starts a ledger from it, numbering the
+next scheduled step n. Rollouts still untrained at the checkpoint are accepted again (BUFFERED).
+
 Invariants (`check()`, tests/test_ledger.py): every accepted rollout is in exactly one state
 (accepted = buffered + scheduled + trained + dropped: none disappears); a rollout is
 scheduled in at most one step and trained at most once, in the step it was scheduled in;
@@ -121,6 +126,44 @@ class Ledger:
 
     def settled_nbytes(self) -> int:
         return self._settled.nbytes()
+
+    # -- checkpoints -----------------------------------------------------------------
+    def export_settled(self, next_step: int) -> SettledIds:
+        """A copy of the settled table plus every trained step < `next_step` not settled yet (a
+        checkpoint that holds those steps settles them). Leaves this ledger unchanged. Raises
+        LedgerError if a step < `next_step` is scheduled but not trained."""
+        untrained = sorted(s for s in self._pending_steps if s < next_step)
+        if untrained:
+            raise LedgerError(f"step {untrained[0]} < {next_step} is scheduled but not trained: "
+                              "a checkpoint can only hold trained steps")
+        table = self._settled.copy()
+        for step in sorted(s for s in self._unsettled_steps if s < next_step):
+            for rid in self._unsettled_steps[step]:
+                table.add(rid, step=step)
+        return table
+
+    @classmethod
+    def restored(cls, settled: SettledIds, *, next_step: int, rejected_samples_by_rule: dict | None = None,
+                 recent_rejections_limit: int = DEFAULT_RECENT_REJECTIONS) -> "Ledger":
+        """A ledger resuming a checkpoint: `settled` (trained and dropped rollouts, owned by the new
+        ledger from now on), the next step scheduled is `next_step`, rejection counts carried on.
+        Rollouts untrained at the checkpoint are accepted again by the caller (`accept_sample`)."""
+        if next_step < 0:
+            raise LedgerError(f"next_step must be >= 0, got {next_step}")
+        ledger = cls(recent_rejections_limit)
+        ledger._settled = settled
+        trained, dropped = settled.counts()
+        ledger._by_state[RolloutState.TRAINED] = trained
+        ledger._by_state[RolloutState.DROPPED] = sum(dropped.values())
+        ledger._by_drop_reason.update(dropped)
+        ledger._num_accepted = len(settled)
+        ledger._rejected_samples_by_rule.update(rejected_samples_by_rule or {})
+        ledger._last_scheduled_step = next_step - 1
+        return ledger
+
+    def live_ids(self) -> list:
+        """Ids of the live rollouts (buffered, scheduled, trained-but-unsettled). O(live)."""
+        return list(self._live)
 
     # -- transitions -----------------------------------------------------------------
     def accept_sample(self, rollout_id: Hashable) -> None:

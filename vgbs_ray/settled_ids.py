@@ -25,11 +25,18 @@ answer is exact. Memory per id: its encoded length + 8 (end) + 4 (step) + 1 (rea
 
 Invariants: an id is added at most once (`add` raises KeyError otherwise); `get` returns
 exactly what `add` stored; iteration yields ids in the order they were added.
+
+Checkpoints: `to_bytes()` writes the arrays as they are (no Python object per id) and
+`from_bytes()` reads them back and rebuilds the lookup index. The index is not written: it
+holds Python's `hash()` of bytes, which is salted per process (PYTHONHASHSEED), so a
+restored table in another process must hash its ids again (one pass, O(n)).
 """
 
 from __future__ import annotations
 
+import json
 import pickle
+import struct
 from array import array
 from typing import Hashable, Iterator
 
@@ -38,6 +45,8 @@ import numpy as np
 TRAINED = "trained"
 DROPPED = "dropped"
 MERGE_EVERY = 4096
+_MAGIC = b"VGBS-SETTLED-1\n"
+_HEADER = struct.Struct("<QQ")  # number of ids, bytes of the reason-name table
 _MASK64 = (1 << 64) - 1
 
 
@@ -115,6 +124,60 @@ class SettledIds:
             yield decode_id(bytes(self._blob[start:end])), self._state_at(position)
             start = end
 
+    def copy(self) -> "SettledIds":
+        """An independent table with the same ids (arrays copied; O(n) memcpy, no rehashing)."""
+        other = SettledIds()
+        other._blob = bytearray(self._blob)
+        other._ends, other._steps, other._reasons = array("q", self._ends), array("i", self._steps), array("B", self._reasons)
+        other._reason_names = list(self._reason_names)
+        other._reason_codes = dict(self._reason_codes)
+        other._hashes, other._positions = self._hashes.copy(), self._positions.copy()
+        other._recent = {k: list(v) for k, v in self._recent.items()}
+        other._num_recent = self._num_recent
+        return other
+
+    def counts(self) -> tuple[int, dict[str, int]]:
+        """(trained ids, dropped ids by reason), from the arrays: O(n) in numpy, no Python object per id."""
+        per_code = np.bincount(np.frombuffer(self._reasons, dtype=np.uint8), minlength=len(self._reason_names))
+        dropped = {name: int(per_code[code]) for code, name in enumerate(self._reason_names)
+                   if code and per_code[code]}
+        return int(per_code[0]) if per_code.size else 0, dropped
+
+    def to_bytes(self) -> bytes:
+        """The table as bytes (for a checkpoint): ids, steps and reasons; ~the table's nbytes minus its index."""
+        names = json.dumps(self._reason_names).encode("utf-8")
+        return b"".join([_MAGIC, _HEADER.pack(len(self._ends), len(names)), names, self._ends.tobytes(),
+                         self._steps.tobytes(), self._reasons.tobytes(), bytes(self._blob)])
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "SettledIds":
+        """Read `to_bytes()` output back (in any process); rebuilds the lookup index. Raises ValueError
+        on bytes that are not such a table (truncated, other format)."""
+        view = memoryview(data)
+        if bytes(view[:len(_MAGIC)]) != _MAGIC:
+            raise ValueError("not a SettledIds table (to_bytes output expected)")
+        at = len(_MAGIC)
+        count, names_len = _HEADER.unpack_from(view, at)
+        at += _HEADER.size
+        table = cls()
+        names = json.loads(bytes(view[at:at + names_len]).decode("utf-8"))
+        at += names_len
+        for what, typecode, itemsize in (("_ends", "q", 8), ("_steps", "i", 4), ("_reasons", "B", 1)):
+            part = array(typecode)
+            part.frombytes(bytes(view[at:at + count * itemsize]))
+            if len(part) != count:
+                raise ValueError(f"truncated SettledIds table: {what} holds {len(part)} of {count} entries")
+            setattr(table, what, part)
+            at += count * itemsize
+        table._blob = bytearray(view[at:])
+        if count and table._ends[-1] != len(table._blob):
+            raise ValueError(f"truncated SettledIds table: ids end at byte {table._ends[-1]}, "
+                             f"{len(table._blob)} bytes present")
+        table._reason_names = names
+        table._reason_codes = {name: code for code, name in enumerate(names)}
+        table._rebuild_index()
+        return table
+
     def nbytes(self) -> int:
         """Bytes held by the table's arrays (what grows with the number of ids)."""
         return (len(self._blob) + self._ends.itemsize * len(self._ends) + self._steps.itemsize * len(self._steps)
@@ -142,6 +205,15 @@ class SettledIds:
                 return position
             index += 1
         return None
+
+    def _rebuild_index(self) -> None:
+        """Hash every id (this process's salt) into the sorted index, in one pass."""
+        keys = np.fromiter((hash(self._bytes_at(p)) & _MASK64 for p in range(len(self._ends))),
+                           dtype=np.uint64, count=len(self._ends))
+        order = np.argsort(keys, kind="stable")
+        self._hashes, self._positions = keys[order], order.astype(np.uint32)
+        self._recent.clear()
+        self._num_recent = 0
 
     def _merge_recent(self) -> None:
         keys = np.array([k for k, positions in self._recent.items() for _ in positions], dtype=np.uint64)
