@@ -11,12 +11,15 @@ from __future__ import annotations
 import multiprocessing
 import dataclasses
 
+import numpy as np
 import pytest
+import torch
 
 from tests.train_support import (assert_same_update, inprocess_trainer, make_samples, record_collectives_worker,
                            reference_update, relative_difference, sgd_config, update_between)
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.lr_schedule import LRScheduleConfig, lr_at
+from vgbs_ray.policy_loss import OFF_POLICY_METRIC_NAMES
 from vgbs_ray.sample import make_rollout
 from vgbs_ray.schedule import build_dp_schedule
 from vgbs_ray.shard import build_legacy_shards, build_step_shards
@@ -183,3 +186,166 @@ def test_padding_micro_batches_run_as_zero_contributions():
     assert set(result.metrics) == set(plain_result.metrics)
     for name, pair in plain_result.metrics.items():
         assert result.metrics[name] == pytest.approx(pair, rel=1e-6), name
+
+
+# -- off-policy correction in the step (config.loss.off_policy) -----------------------------------
+
+def _off_policy_config(policy_loss: str, is_weight_cap: float = 2.0):
+    from actors.train_config import LossConfig
+    from vgbs_ray.off_policy import OffPolicyConfig
+
+    return sgd_config(loss=LossConfig(off_policy=OffPolicyConfig(policy_loss=policy_loss, is_weight_cap=is_weight_cap)))
+
+
+def _laid_out_shard(seed: int, max_tokens: int = 100):
+    """A dp=1 shard whose rollouts spread over several micro-batches (siblings split)."""
+    samples = make_samples(seed, 8)
+    shard = build_step_shards(samples, _schedule(samples, max_tokens=max_tokens).steps[0], 0)[0]
+    assert shard.num_microbatches >= 3
+    return shard
+
+
+def _with_step_start_behaviour(shard):
+    """The shard with behaviour log-probs = the fresh trainer's own log-probs (staleness 0, engine
+    and trainer holding the same weights): from a separate no-grad forward, scattered back into
+    shard order."""
+    from vgbs_ray.microbatch import pack_micro_batch
+
+    trainer = inprocess_trainer(sgd_config())
+    micro_batches = [pack_micro_batch(shard, p) for p in shard.micro_batch_indices]
+    offsets = shard.response_offsets()
+    behaviour = np.full(int(offsets[-1]), np.nan, dtype=np.float32)
+    for mb, log_probs in zip(micro_batches, trainer.step_start_log_probs(micro_batches)):
+        start = 0
+        for p, length in zip(mb.positions.tolist(), mb.response_lengths.tolist()):
+            behaviour[offsets[p]:offsets[p + 1]] = log_probs[start:start + length].numpy()
+            start += length
+    assert not np.isnan(behaviour).any()
+    return dataclasses.replace(shard, rollout_log_probs=behaviour)
+
+
+def _train(config, shard):
+    trainer = inprocess_trainer(config)
+    before = trainer.full_parameters()
+    result = trainer.train_shard(shard)
+    return update_between(before, trainer.full_parameters()), result
+
+
+def _value(result, name):
+    total, count = result.metrics[name]
+    return total / count
+
+
+def test_at_staleness_zero_decoupled_ppo_is_ppo():
+    """Behaviour == step-start log-probs: importance weights are 1, both losses give one update."""
+    shard = _with_step_start_behaviour(_laid_out_shard(40))
+    ppo, ppo_result = _train(_off_policy_config("ppo"), shard)
+    decoupled, result = _train(_off_policy_config("decoupled_ppo"), shard)
+    assert_same_update(ppo, decoupled)
+    assert set(result.metrics) == set(ppo_result.metrics) == set(OFF_POLICY_METRIC_NAMES)
+    assert result.metrics["loss"] == pytest.approx(ppo_result.metrics["loss"], rel=1e-6)
+    assert result.metrics["loss"][1] == pytest.approx(shard.num_rollouts)
+    assert _value(result, "is_weight") == pytest.approx(1.0, abs=1e-6) and result.metrics["is_truncated"][0] == 0
+    for r in (ppo_result, result):  # measured on every response token, against the loss forward's log-probs
+        assert r.metrics["log_prob_mismatch"][1] == pytest.approx(float(shard.loss_mask.sum()))
+        assert _value(r, "log_prob_mismatch") < 1e-6
+
+
+@pytest.mark.parametrize("weight", [0.5, 1.5])
+def test_a_uniform_importance_weight_scales_the_update_not_the_denominators(weight):
+    """Behaviour shifted by -log(c) everywhere: every weight is c (under the cap 2). The update
+    and the loss sum scale by exactly c: rollout_mask_sums and the division by the step's
+    rollout count stay; a self-normalised (weight-sum) mean would leave the update unchanged."""
+    on_policy = _with_step_start_behaviour(_laid_out_shard(41))
+    shifted = dataclasses.replace(on_policy, rollout_log_probs=on_policy.rollout_log_probs - np.float32(np.log(weight)))
+    config = _off_policy_config("decoupled_ppo")
+    base, base_result = _train(config, on_policy)
+    scaled, result = _train(config, shifted)
+    assert_same_update({k: weight * v for k, v in base.items()}, scaled, rtol=1e-5)
+    assert result.metrics["loss"][0] == pytest.approx(weight * base_result.metrics["loss"][0], rel=1e-5)
+    assert result.metrics["loss"][1] == base_result.metrics["loss"][1] == pytest.approx(on_policy.num_rollouts)
+    assert result.metrics["reward"] == pytest.approx(base_result.metrics["reward"], rel=1e-12)
+    assert _value(result, "is_weight") == pytest.approx(weight, rel=1e-5)
+    assert _value(result, "log_prob_mismatch") == pytest.approx(abs(np.log(weight)), rel=1e-4)
+
+
+def _naive_decoupled_update(model_config, shard, *, cap: float, lr: float) -> dict:
+    """-lr * gradient of the decoupled PPO step loss, one unpacked sample at a time from the shard's
+    arrays: at step start pi == pi_prox, so the ratio is 1 (unclipped) and the gradient of each
+    token's term is -w_t * A * grad log pi_t, w_t = min(pi_prox / pi_behave, cap); per rollout
+    divided by its mask total (summed here over the rollout's samples), the step by its rollouts."""
+    from actors.model import build_gpt_model
+
+    model = build_gpt_model(model_config)
+    tokens_at, responses_at = shard.token_offsets(), shard.response_offsets()
+    mask_totals: dict = {}
+    for p, rid in enumerate(shard.rollout_ids):
+        mask_totals[rid] = mask_totals.get(rid, 0.0) + float(shard.loss_mask[responses_at[p]:responses_at[p + 1]].sum())
+    loss = 0.0
+    for p, rid in enumerate(shard.rollout_ids):
+        tokens = torch.as_tensor(shard.token_ids[tokens_at[p]:tokens_at[p + 1]]).unsqueeze(0)
+        length, response = tokens.shape[1], int(shard.response_lengths[p])
+        logits = model(tokens, torch.arange(length).unsqueeze(0), None)[0]
+        positions = torch.arange(length - response, length)
+        new = torch.log_softmax(logits.float(), dim=-1)[positions - 1, tokens[0, positions]]
+        behaviour = torch.as_tensor(shard.rollout_log_probs[responses_at[p]:responses_at[p + 1]])
+        weights = torch.exp(new.detach() - behaviour).clamp(max=cap)
+        mask = torch.as_tensor(shard.loss_mask[responses_at[p]:responses_at[p + 1]])
+        loss = loss + (-weights * float(shard.advantages[p]) * torch.exp(new - new.detach()) * mask).sum() \
+            / max(mask_totals[rid], 1.0)
+    (loss / shard.num_rollouts).backward()
+    return {name: (-lr * p.grad.double()).numpy() for name, p in model.named_parameters()}
+
+
+def test_decoupled_ppo_step_matches_a_naive_per_sample_reference():
+    """Stale behaviour log-probs (weights above and below 1, some cut at the cap), siblings split
+    over micro-batches: the packed step equals the unpacked per-rollout formula."""
+    on_policy = _with_step_start_behaviour(_laid_out_shard(42))
+    noise = np.random.default_rng(0).uniform(-1.2, 1.2, on_policy.rollout_log_probs.shape).astype(np.float32)
+    stale = dataclasses.replace(on_policy, rollout_log_probs=on_policy.rollout_log_probs + noise)
+    update, result = _train(_off_policy_config("decoupled_ppo"), stale)
+    assert_same_update(_naive_decoupled_update(sgd_config().model, stale, cap=2.0, lr=1.0), update)
+    assert 0 < result.metrics["is_truncated"][0] < result.metrics["is_truncated"][1]
+    assert result.metrics["clip_fraction"][0] == 0  # one update per step: pi == pi_prox in its forward
+    assert result.metrics["loss"][1] == pytest.approx(stale.num_rollouts)
+
+
+def test_proximal_from_the_loss_forward_equals_a_separate_no_grad_pass():
+    """The trainer takes the proximal policy from its loss forward (detached), not from an extra
+    pass: both give the same update and metrics, since the step's one update comes after it."""
+    from vgbs_ray.microbatch import pack_micro_batch
+
+    on_policy = _with_step_start_behaviour(_laid_out_shard(43))
+    noise = np.random.default_rng(1).uniform(-1.0, 1.0, on_policy.rollout_log_probs.shape).astype(np.float32)
+    shard = dataclasses.replace(on_policy, rollout_log_probs=on_policy.rollout_log_probs + noise)
+    config = _off_policy_config("decoupled_ppo")
+    detached, result = _train(config, shard)
+
+    trainer = inprocess_trainer(config)
+    before = trainer.full_parameters()
+    micro_batches = [pack_micro_batch(shard, p) for p in shard.micro_batch_indices]
+    separate = trainer.step_start_log_probs(micro_batches)
+    pairs, _ = trainer._step(micro_batches, [mb.old_log_probs for mb in micro_batches], shard.num_rollouts, 1.0,
+                             step_start=separate)
+    assert_same_update(detached, update_between(before, trainer.full_parameters()), rtol=1e-6)
+    assert set(pairs) == set(result.metrics)
+    for name, pair in result.metrics.items():
+        assert pairs[name] == pytest.approx(pair, rel=1e-6, abs=1e-9), name
+
+
+def test_decoupled_ppo_refuses_a_shard_without_behaviour_log_probs_before_training():
+    samples = make_samples(44, 6, with_log_probs=False)
+    shard = build_step_shards(samples, _schedule(samples, max_tokens=100).steps[0], 3)[0]
+    trainer = inprocess_trainer(_off_policy_config("decoupled_ppo"))
+    before = trainer.full_parameters()
+    with pytest.raises(ValueError, match=r"decoupled_ppo' needs behaviour log-probs \(the samples' rollout_log_probs\) "
+                                         rf"for step 3, dp rank 0: shard positions 0..{shard.num_samples - 1} "
+                                         r"\(rollouts \['r\d', .*\] \.\.\.\) lack them"):
+        trainer.train_shard(shard)
+    after = trainer.full_parameters()
+    assert all(np.array_equal(before[k], after[k]) for k in before)  # refused before any update
+    assert trainer.consumed_rollouts == 0
+    # ppo on the same shard clips against the recomputed step-start policy: ratio 1, nothing to compare
+    _, result = _train(_off_policy_config("ppo"), shard)
+    assert _value(result, "ratio") == pytest.approx(1.0, rel=1e-6)
+    assert result.metrics["log_prob_mismatch"] == (0.0, 0.0)
