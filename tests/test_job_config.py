@@ -51,6 +51,19 @@ def test_wrong_configs_fail_at_start_up_with_the_fix(overrides, message):
         load_job_config(None, overrides)
 
 
+def test_off_policy_keys_reach_the_loss_and_bad_combinations_fail():
+    config = load_job_config(None, ["train.loss.off_policy.policy_loss=decoupled_ppo",
+                                    "train.loss.off_policy.max_staleness=2", "train.loss.off_policy.is_weight_cap=3.0"])
+    off_policy = config.train.loss.off_policy
+    assert (off_policy.policy_loss, off_policy.max_staleness, off_policy.is_weight_cap) == ("decoupled_ppo", 2, 3.0)
+    with pytest.raises(ConfigError, match=r"max_staleness=2 .*policy_loss='ppo' has no off-policy correction"):
+        load_job_config(None, ["train.loss.off_policy.policy_loss=ppo", "train.loss.off_policy.max_staleness=2"])
+    # clip_eps lives in one place now: the old key is refused, naming where to look
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['train.loss.clip_eps'\].*'off_policy'"):
+        load_job_config(None, ["train.loss.clip_eps=0.1"])
+    assert load_job_config(None, ["train.loss.off_policy.clip_eps=0.1"]).train.loss.off_policy.clip_eps == 0.1
+
+
 def test_parallel_sizes_the_cluster_cannot_hold_fail_before_any_actor():
     config = load_job_config(None, ["train.dp_size=4", "train.tp_size=2"])
     with pytest.raises(ConfigError, match=r"needs 8 CPU .* cluster has 4"):
