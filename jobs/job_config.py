@@ -1,10 +1,11 @@
 """The job's configuration: one frozen dataclass per component, loaded from YAML + overrides.
 
     JobConfig
-      run        RunConfig            steps, outputs, checkpoints, Ray address
-      producers  ProducerConfig       synthetic agentic producers and the Ray Data source
-      scheduler  SchedulerConfig      batch (gbs in rollouts, token cap, balance, leftover), buffers
-      train      TrainGroupConfig     model, optimizer, loss, parallel sizes, placement
+      run          RunConfig          steps, outputs, checkpoints, Ray address
+      closed_loop  ClosedLoopConfig   the default rollouts: the digit task sampled from vLLM engines on the policy
+      producers    ProducerConfig     synthetic agentic producers and the Ray Data source (closed_loop.enabled=false)
+      scheduler    SchedulerConfig    batch (gbs in rollouts, token cap, balance, leftover), buffers
+      train        TrainGroupConfig   model, optimizer, loss, parallel sizes, placement
 
 `load_job_config(path, overrides)` builds it; every error names the key and the fix.
 Cross-component checks (schedule alignment, sequence lengths vs the model) run here too,
@@ -13,15 +14,20 @@ so a wrong config fails at start-up, before any actor exists.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from actors.producers import ProducerConfig
+from actors.rollout_engine import EngineConfig, SamplingConfig
 from actors.scheduler_api import SchedulerConfig
-from actors.train_config import TrainGroupConfig
+from actors.train_config import LossConfig, ModelConfig, OptimizerConfig, TrainGroupConfig
 from jobs.config_loader import apply_overrides, config_from_mapping, describe, load_yaml
 from vgbs_ray.config import BatchConfig, check_schedule_configs
+from vgbs_ray.envs.digits import VOCAB_SIZE, DigitTaskConfig
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.intake import IntakeConfig
+from vgbs_ray.lr_schedule import LRScheduleConfig
+from vgbs_ray.off_policy import OffPolicyConfig
+from vgbs_ray.synthetic import SyntheticRolloutConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,31 +64,97 @@ class RunConfig:
             raise ConfigError('run.ray_address must be "local", "auto" or a cluster address')
 
 
+@dataclass(frozen=True, kw_only=True)
+class ClosedLoopConfig:
+    """The closed loop (the job's default): producers sample the policy being trained.
+
+    Rollout engines (vLLM) start from the train group's initial weights and load every version it
+    publishes (one per optimizer step); `num_producers` EnvProducers answer digit-task prompts in
+    GRPO groups through them and push the samples to the scheduler.
+    """
+
+    enabled: bool = True
+    """false: the synthetic producers of the `producers` section feed the scheduler instead (no engines)."""
+    task: DigitTaskConfig = field(default_factory=DigitTaskConfig)
+    """The verifiable task (rule, prompt lengths, reward per turn); its 16-token vocabulary is the model's."""
+    engines: EngineConfig = field(default_factory=lambda: EngineConfig(num_engines=1, max_model_len=32))
+    """vLLM rollout engines (count, CPUs or GPUs each, max_model_len <= train.model.max_position_embeddings)."""
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_tokens=1, temperature=1.0, seed=0))
+    """Per turn: one answer token, temperature 1 over the whole vocabulary (seeded per prompt, turn and member)."""
+    num_producers: int = 2
+    """EnvProducer actors (asyncio, num_cpus=0)."""
+    groups_in_flight: int = 8
+    """GRPO groups each producer samples concurrently (each admitted by the scheduler before it starts)."""
+    group_size: int = 8
+    """Rollouts per prompt (GRPO group)."""
+    dataset_prompts: int = 32
+    """Prompts that come from a Ray Data dataset (read by producer 0 besides its own generator); 0 = none."""
+    one_sample_per_turn: bool = True
+    """true: a rollout that retried yields 2 samples (context compaction); false: one transcript sample."""
+    seed: int = 0
+    """Prompt streams (one per producer, one for the dataset) and sampling derive from it."""
+
+    def __post_init__(self):
+        for name in ("num_producers", "groups_in_flight", "group_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"closed_loop.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.dataset_prompts, int) or self.dataset_prompts < 0:
+            raise ConfigError(f"closed_loop.dataset_prompts must be an integer >= 0, got {self.dataset_prompts!r}")
+        if self.sampling.max_tokens != 1:
+            raise ConfigError(f"closed_loop.sampling.max_tokens must be 1 (one answer token per turn), got "
+                              f"{self.sampling.max_tokens}")
+        if self.group_size < 2:
+            raise ConfigError(f"closed_loop.group_size must be >= 2: GRPO advantages compare a group's rollouts, "
+                              f"got {self.group_size}")
+        if self.engines.max_model_len < self.task.max_sequence_length:
+            raise ConfigError(f"closed_loop.engines.max_model_len={self.engines.max_model_len} is shorter than the "
+                              f"task's longest episode ({self.task.max_sequence_length} tokens): raise it")
+
+
+def _default_producers() -> ProducerConfig:
+    # The synthetic producers share the default model (the digit task's vocabulary), so switching
+    # closed_loop.enabled=false needs no other change.
+    return ProducerConfig(rollouts=SyntheticRolloutConfig(vocab_size=VOCAB_SIZE))
+
+
 def _default_scheduler() -> SchedulerConfig:
-    batch = BatchConfig(global_batch_size=8, max_tokens_per_gpu=512, balance="tokens", leftover="partial")
-    return SchedulerConfig(batch=batch, intake=IntakeConfig(max_buffered_samples=256, drop_uniform_groups=True))
+    # gbs counts trained rollouts: 8 GRPO groups of 8 with a reward signal (uniform groups are dropped).
+    batch = BatchConfig(global_batch_size=64, max_tokens_per_gpu=512, balance="tokens", leftover="partial")
+    return SchedulerConfig(batch=batch, intake=IntakeConfig(max_buffered_samples=512, drop_uniform_groups=True))
+
+
+def _has_field(cls, name: str) -> bool:
+    return name in {f.name for f in fields(cls)}
 
 
 def _default_train() -> TrainGroupConfig:
-    return TrainGroupConfig(dp_size=2)
+    # Rollouts up to one policy version old, with decoupled PPO's correction (the closed loop's default).
+    loss = LossConfig(off_policy=OffPolicyConfig(max_staleness=1, policy_loss="decoupled_ppo"))
+    # The tiny Llama with the digit task's vocabulary; Adam 1e-3 (measured: benchmarks/bench_env_learning.py).
+    return TrainGroupConfig(dp_size=2, model=ModelConfig(vocab_size=VOCAB_SIZE), loss=loss,
+                            optimizer=OptimizerConfig(lr_schedule=LRScheduleConfig(lr=1e-3)))
 
 
 @dataclass(frozen=True, kw_only=True)
 class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
-    producers: ProducerConfig = field(default_factory=ProducerConfig)
+    closed_loop: ClosedLoopConfig = field(default_factory=ClosedLoopConfig)
+    producers: ProducerConfig = field(default_factory=_default_producers)
     scheduler: SchedulerConfig = field(default_factory=_default_scheduler)
     train: TrainGroupConfig = field(default_factory=_default_train)
 
     def __post_init__(self):
         check_schedule_configs(self.train.parallel_config, self.scheduler.batch)
         rollouts, model = self.producers.rollouts, self.train.model
-        if rollouts.max_sequence_length > model.max_position_embeddings:
+        if self.closed_loop.enabled:
+            self._check_closed_loop()
+        elif rollouts.max_sequence_length > model.max_position_embeddings:
             raise ConfigError(
                 f"producers.rollouts.max_sequence_length={rollouts.max_sequence_length} exceeds "
                 f"train.model.max_position_embeddings={model.max_position_embeddings}: lower the first or raise the second"
             )
-        if rollouts.vocab_size != model.vocab_size:
+        if not self.closed_loop.enabled and rollouts.vocab_size != model.vocab_size:
             raise ConfigError(
                 f"producers.rollouts.vocab_size={rollouts.vocab_size} must equal train.model.vocab_size={model.vocab_size}"
             )
@@ -94,11 +166,33 @@ class JobConfig:
             raise ConfigError(f"scheduler.intake.max_sequence_length={intake.max_sequence_length} exceeds "
                               f"train.model.max_position_embeddings={model.max_position_embeddings}")
 
+    def _check_closed_loop(self) -> None:
+        loop, model = self.closed_loop, self.train.model
+        if model.vocab_size != VOCAB_SIZE:
+            raise ConfigError(f"train.model.vocab_size={model.vocab_size} must be the digit task's vocabulary "
+                              f"({VOCAB_SIZE}) in the closed loop (or set closed_loop.enabled=false)")
+        if loop.engines.max_model_len > model.max_position_embeddings:
+            raise ConfigError(f"closed_loop.engines.max_model_len={loop.engines.max_model_len} exceeds "
+                              f"train.model.max_position_embeddings={model.max_position_embeddings}")
+        if not self.scheduler.intake.drop_uniform_groups:
+            raise ConfigError("scheduler.intake.drop_uniform_groups must be true in the closed loop: a group whose "
+                              "rollouts all earned the same reward carries no GRPO signal (dynamic sampling)")
+
+    @property
+    def max_staleness(self) -> int | None:
+        """`train.loss.off_policy.max_staleness` (None while the loss has no off-policy section)."""
+        off_policy = getattr(self.train.loss, "off_policy", None)
+        return None if off_policy is None else off_policy.max_staleness
+
     def scheduler_with_model_limits(self) -> SchedulerConfig:
         """The scheduler's config with the model's vocabulary and sequence limit filled in where unset,
         so the scheduler rejects a sample the model could not take (token_range, sequence_length)."""
         intake, model = self.scheduler.intake, self.train.model
-        return replace(self.scheduler, intake=replace(
+        scheduler = self.scheduler
+        if _has_field(SchedulerConfig, "max_staleness") and self.max_staleness is not None:
+            # The scheduler enforces the bound the loss was configured for (one number, one place).
+            scheduler = replace(scheduler, max_staleness=self.max_staleness)
+        return replace(scheduler, intake=replace(
             intake,
             vocab_size=intake.vocab_size if intake.vocab_size is not None else model.vocab_size,
             max_sequence_length=(intake.max_sequence_length if intake.max_sequence_length is not None

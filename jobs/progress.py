@@ -22,13 +22,37 @@ class StepLine:
     lr: float
     layout: str
     partial: bool
+    policy_version: int | None = None
+    """The version this step trained from (optimizer steps taken before it); it publishes version + 1."""
+    staleness_mean: float | None = None
+    """Versions between policy_version and each trained rollout's oldest version, mean over the step's rollouts."""
+    staleness_max: int | None = None
+    sampled_reward: float | None = None
+    """Closed loop: mean reward of every rollout the producers pushed since the previous step, groups
+    the dynamic-sampling filter dropped included (the sampling policy's reward; `reward` is the
+    trained rollouts')."""
+    log_prob_mismatch: float | None = None
+    """Mean |trainer - engine| log-prob per response token (the trainer's proximal vs the behaviour log-probs)."""
+    weight_sync_s: float | None = None
+    """Trainer-side seconds to publish this step's weights (gather, convert, one object-store copy)."""
 
     def text(self) -> str:
         micro = "legacy" if self.microbatches_per_rank is None else str(self.microbatches_per_rank)
         kind = "partial" if self.partial else "full"
-        return (f"step {self.step:>3} | rollouts {self.num_rollouts:>3} ({kind}) | samples {self.num_samples:>3} | "
+        line = (f"step {self.step:>3} | rollouts {self.num_rollouts:>3} ({kind}) | samples {self.num_samples:>3} | "
                 f"micro-batches/rank {micro:>3} | tokens {self.num_tokens:>6} | loss {self.loss:+.3e} | "
                 f"reward {self.reward:.3f} | lr {self.lr:.2e} | {self.step_time_s:.2f} s")
+        if self.policy_version is not None:  # the closed loop's part of the line
+            line += f" | v{self.policy_version}"
+            if self.staleness_max is not None:
+                line += f" stale {_fmt(self.staleness_mean, '.2f')}/{self.staleness_max}"
+            line += (f" | sampled reward {_fmt(self.sampled_reward, '.3f')} | lp mismatch "
+                     f"{_fmt(self.log_prob_mismatch, '.1e')} | sync {_fmt(self.weight_sync_s, '.2f')} s")
+        return line
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None or value != value else format(value, spec)
 
 
 class StepRecorder:
@@ -52,23 +76,38 @@ def read_records(path: str) -> list[dict]:
 
 
 def plot_records(records: list[dict], path: str) -> None:
-    """Rollouts per step (bars, partial steps hatched) and loss over steps, as a PNG."""
+    """Rollouts per step (bars, partial steps orange), loss, reward (trained and, in the closed loop,
+    sampled) and, when recorded, staleness (mean and max) over steps, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
-    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(7, 6.5), sharex=True)
+    staleness = [r for r in records if r.get("staleness_max") is not None]
+    rows = 4 if staleness else 3
+    fig, axes = plt.subplots(rows, 1, figsize=(7, 2.2 * rows), sharex=True)
+    top, middle, bottom = axes[:3]
     colors = ["tab:orange" if r["partial"] else "tab:blue" for r in records]
     top.bar(steps, [r["num_rollouts"] for r in records], color=colors)
     top.set_ylabel("rollouts")
-    top.set_title("rollouts per step (orange: partial step)")
-    middle.plot(steps, [r["loss"] for r in records], marker="o", color="tab:red")
+    top.set_title("rollouts per step (blue: full step, orange: partial step)")
+    middle.plot(steps, [r["loss"] for r in records], marker="o", markersize=3, color="tab:red")
     middle.set_ylabel("loss")
-    bottom.plot(steps, [r["reward"] for r in records], marker="s", color="tab:green")
+    bottom.plot(steps, [r["reward"] for r in records], marker="s", markersize=3, color="tab:green",
+                label="trained rollouts")
+    sampled = [(r["step"], r["sampled_reward"]) for r in records if r.get("sampled_reward") is not None]
+    if sampled:
+        bottom.plot(*zip(*sampled), color="tab:purple", label="sampled (all rollouts)")
+        bottom.legend(loc="lower right", fontsize=8)
     bottom.set_ylabel("reward")
-    bottom.set_xlabel("step")
+    if staleness:
+        axes[3].plot([r["step"] for r in staleness], [r["staleness_mean"] for r in staleness], label="mean")
+        axes[3].step([r["step"] for r in staleness], [r["staleness_max"] for r in staleness], where="mid",
+                     label="max", color="tab:gray")
+        axes[3].set_ylabel("staleness (versions)")
+        axes[3].legend(loc="upper right", fontsize=8)
+    axes[-1].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

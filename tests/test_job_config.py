@@ -20,7 +20,11 @@ def test_embedded_default_is_the_tiny_local_run():
     config = load_job_config()
     assert config.run.ray_address == "local"
     assert config.train.backend == "gloo" and config.train.dp_size == 2
-    assert config.scheduler.batch.global_batch_size == 8 and config.scheduler.batch.leftover == "partial"
+    assert config.scheduler.batch.global_batch_size == 64 and config.scheduler.batch.leftover == "partial"
+    # The closed loop is the default: the digit task's vocabulary, staleness 1 with its correction.
+    assert config.closed_loop.enabled and config.train.model.vocab_size == 16
+    assert config.train.loss.off_policy.max_staleness == 1
+    assert config.train.loss.off_policy.policy_loss == "decoupled_ppo"
 
 
 def test_overrides_change_only_the_named_keys():
@@ -40,7 +44,11 @@ def test_overrides_change_only_the_named_keys():
         (["scheduler.batch.max_tokens_per_gpu=null", "scheduler.batch.micro_batch_size=3"],
          r"step_size % \(dp_size \* micro_batch_size \* mb_group\) == 0"),
         (["scheduler.batch.global_batch_size=1"], r"global_batch_size=1 rollouts is fewer than"),
-        (["producers.rollouts.max_sequence_length=1024"], r"exceeds train.model.max_position_embeddings"),
+        (["closed_loop.enabled=false", "producers.rollouts.max_sequence_length=1024"],
+         r"exceeds train.model.max_position_embeddings"),
+        (["train.model.vocab_size=128"], r"must be the digit task's vocabulary \(16\).*closed_loop.enabled=false"),
+        (["closed_loop.group_size=1"], r"closed_loop.group_size must be >= 2"),
+        (["closed_loop.engines.max_model_len=4"], r"shorter than the task's longest episode"),
         (["train.tp_size=3"], r"tp_size=3 must divide"),
         (["scheduler.batch.balance=fast"], r"balance must be one of"),
         (["run"], r"section.key=value"),
