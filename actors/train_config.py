@@ -276,3 +276,5 @@ class StepResult:
     num_microbatches: int
     path: Literal["layout", "legacy"]
     consumed_rollouts: int
+    shard_wait_s: float = 0.0
+    """Seconds the group waited for the step's shards to be formed (trainer idle); 0 for `train_shards`."""

@@ -26,6 +26,7 @@ Importable without Megatron: only the actors import it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Sequence
@@ -112,11 +113,13 @@ class TrainGroup:
         wait_s = shard_timeout_s if shard_timeout_s is not None else self.config.step_timeout_s
         # Wait for the step here first, so each rank's task can carry the step's rollout count in
         # its name: the Ray dashboard's task list then shows per-step rollouts without Grafana.
+        waiting_since = time.perf_counter()
         try:
             first = ray.get(scheduler.get_shard.remote(step, 0, timeout_s=wait_s), timeout=wait_s + 30)
         except ray.exceptions.RayTaskError as error:
             raise TrainStepError(f"step {step}: the scheduler has no shard for it: {error.cause!r}",
                                  FailureKind.NO_SHARD) from error
+        shard_wait_s = time.perf_counter() - waiting_since
         if first is None:
             return None
         task_name = f"train_step step={step} rollouts={first.num_rollouts}"
@@ -128,7 +131,7 @@ class TrainGroup:
         if any(r is None for r in results):
             raise TrainStepError(f"step {step}: some ranks got no shard and others did; the scheduler "
                                  "must publish every DP rank's shard of a step or none")
-        return _combine(results)
+        return dataclasses.replace(_combine(results), shard_wait_s=shard_wait_s)
 
     def train_shards(self, shards: Sequence[StepShard]) -> StepResult:
         """Train one step from given shards, one per DP rank (TP peers of a DP rank share it)."""

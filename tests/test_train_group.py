@@ -137,8 +137,13 @@ def test_steps_pulled_from_the_scheduler_actor(dp2_group):
         samples = make_samples(24, 12, id_prefix="pulled")
         assert ray.get(scheduler.submit.remote(samples), timeout=60).accepted == len(samples)
         ray.get(scheduler.end_of_input.remote(), timeout=120)  # 12 rollouts: one full step, one partial of 4
-        results = [dp2_group.train_step(k, scheduler, shard_timeout_s=30) for k in range(3)]
+        results, walls = [], []
+        for k in range(3):
+            start = time.perf_counter()
+            results.append(dp2_group.train_step(k, scheduler, shard_timeout_s=30))
+            walls.append(time.perf_counter() - start)
         assert results[2] is None  # the stream ended: no step 2
+        assert all(0 < r.shard_wait_s < wall for r, wall in zip(results[:2], walls))  # trainer idle: part of the call
         assert [r.num_rollouts for r in results[:2]] == [8, 4]
         assert results[1].consumed_rollouts - results[0].consumed_rollouts == 4
         stats = ray.get(scheduler.stats.remote(), timeout=60)
