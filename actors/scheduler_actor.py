@@ -40,7 +40,7 @@ from typing import Any, Sequence
 import ray
 
 from actors.scheduler_api import (
-    FlushResult, SchedulerConfig, SchedulerStats, ShardRef, StepRecord, SubmitResult,
+    Admission, FlushResult, SchedulerConfig, SchedulerStats, ShardRef, StepRecord, SubmitResult,
 )
 from actors.scheduler_metrics import SchedulerMetrics
 from vgbs_ray.config import ParallelConfig, check_schedule_configs
@@ -53,12 +53,15 @@ from vgbs_ray.sample import Sample
 from vgbs_ray.scheduler_state import SchedulerState
 from vgbs_ray.settled_ids import SettledIds
 from vgbs_ray.scheduler_policy import (
-    EmitFullStep, FlushRequest, MaxWaitFlush, RunFlush, SchedulerView, WaitFor, admit_new_rollouts, next_action,
+    DropStale, EmitFullStep, FlushRequest, MaxWaitFlush, RunFlush, SchedulerView, StepChoice, WaitFor,
+    admit_new_rollouts, choose_step, next_action, oldest_versions,
 )
+from vgbs_ray.staleness import STALE_REASON, check_admission_config, staleness_stats
+from vgbs_ray.staleness_window import StalenessWindow
 from vgbs_ray.stepping import PlannedStep, leftover_action, leftover_drop_reason, plan_step
 
 __all__ = [
-    "FlushResult", "SchedulerActor", "SchedulerConfig", "SchedulerState", "SchedulerStats", "ShardRef", "StepRecord",
+    "Admission", "FlushResult", "SchedulerActor", "SchedulerConfig", "SchedulerState", "SchedulerStats", "ShardRef", "StepRecord",
     "SubmitResult", "create_scheduler",
 ]
 
@@ -163,6 +166,14 @@ class SchedulerActor:
         self._emitter: asyncio.Task | None = None
         self._acting: asyncio.Lock | None = None       # held by the emitter while it carries out an action, and by rewind
         self._layout_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-layout")
+        # Staleness (config.max_staleness): the window's steps_formed is the step counter (step k
+        # trains version k), kept equal to _next_step through emissions, rewinds and restores.
+        self.window: StalenessWindow | None = None
+        if config.max_staleness is not None:
+            self.window = StalenessWindow(gbs=config.batch.global_batch_size, max_staleness=config.max_staleness)
+        self._replay: set = set()   # ready rollouts put back by a rewind or a restore: they form steps first, in order
+        self._choice: StepChoice | None = None  # the emitter's last staleness plan (made and used under _acting)
+        self._admitted = self._refused_admissions = 0
         if restore is not None:
             self._restore(restore)
 
@@ -180,6 +191,12 @@ class SchedulerActor:
         self.intake = RolloutIntake(self.config.intake, self.ledger)
         self.intake.restore(state.intake, now=time.monotonic())
         self._next_step = self._steps_trained = state.next_step
+        front = state.untrained_rollout_ids[:state.replay_rollouts]
+        self._replay.update(front)
+        if self.window is not None:
+            self.window.steps_formed = state.policy_version
+            # They fill the next steps: admissions from now on must land behind them.
+            self.window.add_pending(state.intake.rollout_ids)
         self._accepted, self._rejected = state.accepted_samples, state.rejected_samples
         self._rollouts_seen = len(state.intake.ready)
         self._refresh_gauges()
@@ -322,6 +339,8 @@ class SchedulerActor:
             self._undo_steps_from(next_step)  # back in front of the buffer, then dropped with the rest
             dropped = [r.rollout_id for r in self.intake.take_oldest(self.intake.num_ready)]
             self._drop(dropped, reason)
+            if self.window is not None:
+                self.window.discard_in_flight()
             self._input_closed = self._ended = True
             self._published.notify()
             self._changed.notify()
@@ -360,7 +379,7 @@ class SchedulerActor:
             summary = self.ledger.summary()
             return SchedulerState(
                 next_step=next_step, settled=settled.to_bytes(), intake=self.intake.snapshot(front),
-                policy_version=next_step, rejected_samples_by_rule=dict(summary.rejected_samples_by_rule),
+                policy_version=next_step, replay_rollouts=len(front), rejected_samples_by_rule=dict(summary.rejected_samples_by_rule),
                 dropped_by_reason=settled.counts()[1], accepted_samples=self._accepted,
                 rejected_samples=self._rejected)
 
@@ -370,6 +389,45 @@ class SchedulerActor:
         was accepted is not known. O(1) per id."""
         self._start()
         return [self.ledger.get(rid) is not None for rid in rollout_ids]
+
+    # -- admission control (staleness) -------------------------------------------------------
+    async def admit(self, rollout_ids: Sequence, engine_version: int) -> Admission:
+        """May a producer start these rollouts (a GRPO group: all or none) with an engine at policy
+        version `engine_version`? Without max_staleness every group is admitted (enforced=False).
+
+        Ids the scheduler already holds (accepted samples, trained, dropped) are never admitted
+        again: they come back in `known` and a resumed producer skips them; if all are known the
+        answer admits nothing new. Ids admitted before and not yet in a step stay admitted.
+        Raises ConfigError when the group could never be admitted (check_admission_config).
+        """
+        self._start()
+        self._raise_if_failed()
+        ids = list(rollout_ids)
+        if not ids or len(set(ids)) != len(ids):
+            raise ConfigError(f"admit needs distinct rollout ids (one group), got {ids!r}")
+        known = tuple(rid for rid in ids if self.ledger.get(rid) is not None)
+        if self.window is None:
+            return Admission(True, self._next_step, self._next_step - engine_version, known=known, enforced=False)
+        check_admission_config(gbs=self.window.gbs, group_size=len(ids), max_staleness=self.window.max_staleness)
+        skip = set(known)
+        new = [rid for rid in ids if rid not in skip and not self.window.is_pending(rid)]
+        if not new:
+            return Admission(True, self._next_step, self._next_step - engine_version, known=known)
+        decision = self.window.try_admit(new, engine_version)
+        if decision.admit:
+            self._admitted += len(new)
+        else:
+            self._refused_admissions += 1
+        return Admission(decision.admit, decision.landing_step, decision.expected_staleness, known=known)
+
+    async def abandon(self, rollout_ids: Sequence) -> None:
+        """The producer gave these admitted rollouts up (engine died, producer stopped): they no longer
+        hold room in the staleness window and no step waits for them. Samples of them already pushed
+        stay buffered and end `incomplete_rollout` at end of input, as any unfinished rollout."""
+        self._start()
+        if self.window is not None:
+            self.window.discard(rollout_ids)
+            self._changed.notify()  # a full step may have waited for one of them
 
     # -- producer side ---------------------------------------------------------------
     async def submit(self, samples: Sequence[Sample | dict[str, Any]], wait_s: float = 0.0) -> SubmitResult:
@@ -469,7 +527,11 @@ class SchedulerActor:
             input_closed=self._input_closed, ended=self._ended, recent_steps=tuple(self._records.values()),
             ledger=self.ledger.summary(), incomplete_rollouts=tuple(self._incomplete),
             rejections=tuple(self.ledger.recent_rejections), dataset_errors=tuple(self._dataset_errors),
-            failure=self._failure, rollout_states=states,
+            failure=self._failure, rollout_states=states, policy_version=self._next_step,
+            stale_dropped_rollouts=self.ledger.summary().dropped_by_reason.get(STALE_REASON, 0),
+            staleness_pending=None if self.window is None else self.window.pending_rollouts,
+            staleness_in_flight=None if self.window is None else self.window.in_flight_rollouts,
+            admitted_rollouts=self._admitted, refused_admissions=self._refused_admissions,
         )
 
     async def close(self) -> None:
@@ -485,6 +547,14 @@ class SchedulerActor:
                                   max_steps_ahead=self.config.max_steps_ahead, buffer_has_room=room, buffer_reason=why)
 
     def _after_ingest(self, out: IngestOutcome) -> None:
+        if self.window is not None:
+            for rid in out.completed:
+                self.window.finished(rid)
+            self.window.discard(rid for rid, _ in out.dropped)
+            # A rejected rollout with nothing accepted never trains (unless sent again, then as a
+            # rollout that was not admitted): free its room. An open one may still complete.
+            self.window.discard(r.rollout_id for r in out.rejections
+                                if self.window.is_pending(r.rollout_id) and self.ledger.get(r.rollout_id) is None)
         self._accepted += out.accepted
         self._rejected += len(out.rejections)
         self._rollouts_seen += len(out.completed)
@@ -531,8 +601,24 @@ class SchedulerActor:
         self._changed.notify()
 
     # -- internals: the emitter ------------------------------------------------------------
+    def _plan(self, *, allow_partial: bool = False, wait_for_in_flight: bool = True) -> StepChoice:
+        """The staleness plan for the next step from the ready rollouts (window set). O(ready log ready)."""
+        versions = oldest_versions(((r.rollout_id, r.samples) for r in self.intake.ready_rollouts()),
+                                   trained_version=self.window.steps_formed)
+        return choose_step(versions, window=self.window, replay=self._replay, allow_partial=allow_partial,
+                           wait_for_in_flight=wait_for_in_flight)
+
     def _view(self, now: float) -> SchedulerView:
         oldest = self.intake.oldest_ready_at()
+        if self.window is not None:
+            self._choice = self._plan()
+            return SchedulerView(
+                registered=self._parallel is not None, num_ready=self._choice.num_fresh,
+                global_batch_size=self.config.batch.global_batch_size, leftover=self.config.batch.leftover,
+                flush_requests=tuple(f.request for f in self._flushes), active_datasets=self._active_datasets,
+                oldest_ready_age_s=None if oldest is None else now - oldest, max_wait_s=self.config.max_wait_s,
+                num_stale=len(self._choice.stale), waiting_for=self._choice.waiting_for,
+            )
         return SchedulerView(
             registered=self._parallel is not None, num_ready=self.intake.num_ready,
             global_batch_size=self.config.batch.global_batch_size, leftover=self.config.batch.leftover,
@@ -545,9 +631,14 @@ class SchedulerActor:
             while True:
                 async with self._acting:
                     action = next_action(self._view(time.monotonic()))
-                    if isinstance(action, EmitFullStep):
-                        rollouts = self.intake.take_oldest(self.config.batch.global_batch_size)
-                        await self._emit(rollouts, "full", triggered_at=rollouts[-1].ready_at)
+                    if isinstance(action, DropStale):
+                        self._drop_stale(self._choice.stale)
+                    elif isinstance(action, EmitFullStep):
+                        if self.window is None:
+                            rollouts = self.intake.take_oldest(self.config.batch.global_batch_size)
+                        else:
+                            rollouts = self.intake.take(self._choice.take)
+                        await self._emit(rollouts, "full", triggered_at=max(r.ready_at for r in rollouts))
                     elif isinstance(action, RunFlush):
                         pending = self._flushes[action.index]
                         del self._flushes[action.index]
@@ -568,15 +659,35 @@ class SchedulerActor:
             self._published.notify()
             self._changed.notify()
 
+    def _flush_take(self, *, partial: bool) -> list[ReadyRollout]:
+        """A flush's next step under the staleness rules: stale ones dropped first, no wait for
+        rollouts in flight (a flush never stalls). Full steps only unless `partial`."""
+        choice = self._plan(allow_partial=partial, wait_for_in_flight=False)
+        self._drop_stale(choice.stale)
+        if not partial and len(choice.take) < self.config.batch.global_batch_size:
+            return []
+        return self.intake.take(choice.take)
+
     async def _run_flush(self, pending: _PendingFlush) -> None:
         request, steps, dropped = pending.request, [], []
         try:
             gbs = self.config.batch.global_batch_size
+            if self.window is not None and request.end_of_input:
+                self.window.discard_in_flight()  # nothing more arrives: no step may wait for them
             while self._parallel is not None and self.intake.num_ready >= gbs:
-                rollouts = self.intake.take_oldest(gbs)
-                steps.append(await self._emit(rollouts, "full", triggered_at=rollouts[-1].ready_at))
+                rollouts = self.intake.take_oldest(gbs) if self.window is None else self._flush_take(partial=False)
+                if not rollouts:
+                    break
+                steps.append(await self._emit(rollouts, "full", triggered_at=max(r.ready_at for r in rollouts)))
             action = leftover_action(self.config.batch.leftover, end_of_input=request.end_of_input)
-            leftover = self.intake.take_oldest(self.intake.num_ready) if action != "keep" else []
+            if action == "keep":
+                leftover = []
+            elif self.window is None or action == "drop":
+                if self.window is not None:
+                    self._drop_stale(self._plan(wait_for_in_flight=False).stale)  # stale ones say so
+                leftover = self.intake.take_oldest(self.intake.num_ready)
+            else:
+                leftover = self._flush_take(partial=True)
             if leftover and action == "drop":
                 ids = [r.rollout_id for r in leftover]
                 self._drop(ids, leftover_drop_reason(self.config.batch.leftover))
@@ -586,6 +697,8 @@ class SchedulerActor:
             if request.end_of_input:
                 for rid, reason, detail in self.intake.close_incomplete():
                     self.ledger.drop(rid, reason)
+                    if self.window is not None:
+                        self.window.discard((rid,))
                     self.metrics.on_drop(reason)
                     self._incomplete.append((rid, reason, detail))
                     dropped.append(rid)
@@ -600,10 +713,20 @@ class SchedulerActor:
             pending.done.set()
             self._refresh_gauges()
 
+    def _drop_stale(self, rollout_ids) -> None:
+        """Rule 1: ready rollouts too old for the next step (so for every later one) are dropped."""
+        if rollout_ids:
+            self.intake.take(rollout_ids)
+            self._drop(rollout_ids, STALE_REASON)
+            self.metrics.on_stale_drop(len(rollout_ids))
+
     def _drop(self, rollout_ids, reason: str) -> None:
         for rid in rollout_ids:
             self.ledger.drop(rid, reason)
         self.intake.settle(rollout_ids)
+        self._replay.difference_update(rollout_ids)
+        if self.window is not None:
+            self.window.discard(rollout_ids)
         self.metrics.on_drop(reason, len(rollout_ids))
         if rollout_ids:
             self.log.info("%s: dropped %d rollouts (%s)", self.name, len(rollout_ids), reason)
@@ -621,6 +744,9 @@ class SchedulerActor:
         published = time.monotonic()
         ids = tuple(r.rollout_id for r in rollouts)
         waits = [published - r.completed_at for r in rollouts]
+        versions = [v for v in oldest_versions(((r.rollout_id, r.samples) for r in rollouts), trained_version=step).values()
+                    if v is not None]
+        lag = staleness_stats(versions, trained_version=step) if versions else None
         record = StepRecord(
             step=step, num_rollouts=len(ids), num_samples=planned.num_samples, num_tokens=planned.num_tokens,
             microbatches_per_rank=tuple(s.num_microbatches for s in planned.shards),
@@ -632,10 +758,14 @@ class SchedulerActor:
             partial=len(ids) < self.config.batch.global_batch_size,
             mean_completion_to_emission_s=sum(waits) / len(waits), max_completion_to_emission_s=max(waits),
             scheduling_latency_s=published - max(triggered_at, max(r.ready_at for r in rollouts)),
-            rollout_ids=ids,
+            rollout_ids=ids, policy_version=step, staleness_mean=None if lag is None else lag.mean,
+            staleness_max=None if lag is None else lag.max,
         )
         self.ledger.schedule(ids, step)
         self.intake.settle(ids)
+        self._replay.difference_update(ids)
+        if self.window is not None:
+            self.window.step_formed(ids)
         self._slots[step] = _StepSlot(refs=refs, rollouts=rollouts)
         self._records[step] = record
         self._trim_records()
@@ -693,7 +823,10 @@ class SchedulerActor:
             undone = self._records.pop(step, None)
             self._trained_records -= bool(undone is not None and undone.trained)
         self.intake.return_front(rollouts)
+        self._replay.update(r.rollout_id for r in rollouts)
         self._next_step = next_step
+        if self.window is not None:
+            self.window.steps_formed = next_step
         self._steps_trained = min(self._steps_trained, next_step)
         return rollouts
 
@@ -713,6 +846,7 @@ class SchedulerActor:
     def _refresh_gauges(self) -> None:
         self.metrics.on_buffer(self.intake.num_buffered_rollouts, self.intake.buffered_samples,
                                self._next_step - self._steps_trained)
+        self.metrics.on_policy_version(self._next_step)
 
 
 def create_scheduler(config: SchedulerConfig, name: str = DEFAULT_NAME, *, namespace: str | None = None,

@@ -15,9 +15,10 @@ from vgbs_ray.config import BatchConfig
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.intake import IntakeConfig
 from vgbs_ray.ledger import LedgerSummary, Rejection
+from vgbs_ray.staleness import AdmissionDecision
 
 __all__ = [
-    "FlushResult", "Rejection", "SchedulerConfig", "SchedulerStats", "ShardRef", "StepRecord", "SubmitResult",
+    "Admission", "FlushResult", "Rejection", "SchedulerConfig", "SchedulerStats", "ShardRef", "StepRecord", "SubmitResult",
 ]
 
 
@@ -46,6 +47,14 @@ class SchedulerConfig:
     step_record_window: int = 16
     """Records of trained steps kept whole (the newest), besides every step emitted but not yet trained
     (the train side reads a step's record after training it); older steps live on as totals in SchedulerStats."""
+    max_staleness: int | None = None
+    """Policy versions a trained rollout may lag the step that trains it (step k trains version k);
+    None = no staleness rules (synthetic runs: samples without versions). Set: a step drops ready
+    rollouts older than that (reason `stale`), takes the oldest first, waits for an admitted rollout
+    in flight whose last chance it is, and `admit` runs admission control (vgbs_ray.staleness).
+    A job fills it from train.loss.off_policy.max_staleness. Each group's size is checked against
+    it (check_admission_config) when producers first `admit` the group: the scheduler does not know
+    group sizes before."""
 
     def __post_init__(self):
         if not isinstance(self.batch, BatchConfig):
@@ -60,6 +69,10 @@ class SchedulerConfig:
             raise ConfigError(f"SchedulerConfig.intake must be an IntakeConfig, got {type(self.intake).__name__}")
         if self.max_concurrency < 4:
             raise ConfigError(f"SchedulerConfig.max_concurrency must be >= 4 (pulls, pushes, stats at once), got {self.max_concurrency}")
+        if self.max_staleness is not None and (not isinstance(self.max_staleness, int) or isinstance(self.max_staleness, bool)
+                                               or self.max_staleness < 0):
+            raise ConfigError(f"SchedulerConfig.max_staleness must be an int >= 0 (policy versions) or None, "
+                              f"got {self.max_staleness!r}")
         if self.step_record_window < 1:
             raise ConfigError(f"SchedulerConfig.step_record_window must be >= 1, got {self.step_record_window}")
 
@@ -88,6 +101,22 @@ class SubmitResult:
         """Raise the first rejection as a RolloutValidationError (rollout id and rule in the message)."""
         if self.rejected:
             raise self.rejected[0].error()
+
+
+@dataclass(frozen=True)
+class Admission(AdmissionDecision):
+    """What `admit` decided for a group: AdmissionDecision (admit, landing_step, expected_staleness) plus
+    the ids the scheduler already knew.
+
+    known: ids with accepted samples or settled (trained or dropped): never admitted again, and they
+    do not count against the group. A resumed producer skips generating them; pushing them again only
+    gets their samples rejected (duplicate, already_*). When every id is known, `admit` is True
+    and nothing was admitted. Ids admitted earlier and not yet in a step stay admitted (not re-counted).
+    """
+
+    known: tuple = ()
+    enforced: bool = True
+    """False when the scheduler has no max_staleness: every group is admitted, nothing is recorded."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +157,11 @@ class StepRecord:
     scheduling_latency_s: float
     """From the moment the step could be formed (its last rollout ready, or the flush) to all shards in the store."""
     rollout_ids: tuple = ()
+    policy_version: int = 0
+    """The version the step trains (= its step number: step k starts from the weights after k optimizer steps)."""
+    staleness_mean: float | None = None
+    """Mean over the step's rollouts that carry versions of policy_version - their oldest version; None when none does."""
+    staleness_max: int | None = None
     trained: bool = False
     metrics: dict[str, tuple[float, float]] | None = None
     """(sum, count) pairs reduced over every DP rank's ack, once the step is trained."""
@@ -170,6 +204,17 @@ class SchedulerStats:
     """Set when the scheduler hit an internal error: every later call raises it."""
     rollout_states: dict | None = field(default=None)
     """rollout_id -> (state, step, reason); only when stats(include_rollouts=True)."""
+    policy_version: int = 0
+    """The version the next step trains (= steps_emitted; steps are numbered globally across restores)."""
+    stale_dropped_rollouts: int = 0
+    """Rollouts dropped as too stale to train (also in ledger.dropped_by_reason["stale"])."""
+    staleness_pending: int | None = None
+    """Admitted rollouts not yet in a step (in flight or buffered); None without max_staleness."""
+    staleness_in_flight: int | None = None
+    """Admitted rollouts whose samples have not all arrived; None without max_staleness."""
+    admitted_rollouts: int = 0
+    refused_admissions: int = 0
+    """Groups `admit` refused (a producer asks again later)."""
 
     @property
     def steps_in_flight(self) -> int:

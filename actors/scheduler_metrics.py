@@ -32,6 +32,11 @@ class SchedulerMetrics:
                                tag_keys=TAGS + ("reason",))
         self.rejected = Counter("vgbs_scheduler_rejected_samples_total", description="Samples rejected, by rule",
                                 tag_keys=TAGS + ("rule",))
+        self.staleness_mean = g("vgbs_scheduler_step_staleness_mean", "Mean staleness (policy versions) of the last step's versioned rollouts")
+        self.staleness_max = g("vgbs_scheduler_step_staleness_max", "Max staleness (policy versions) of the last step's versioned rollouts")
+        self.policy_version = g("vgbs_scheduler_policy_version", "The policy version the next step trains (= steps emitted)")
+        self.stale_dropped = Counter("vgbs_scheduler_stale_dropped_rollouts_total",
+                                     description="Rollouts dropped as too stale to train (max_staleness)", tag_keys=TAGS)
         self.latency = Histogram("vgbs_scheduler_scheduling_latency_s", description="Step formable -> all shards in the object store",
                                  boundaries=LATENCY_BOUNDARIES_S, tag_keys=TAGS)
 
@@ -55,6 +60,16 @@ class SchedulerMetrics:
         self.step_tokens.set(record.num_tokens, tags=self._tags)
         self.rollouts_scheduled.inc(record.num_rollouts, tags=self._tags)
         self.latency.observe(record.scheduling_latency_s, tags=self._tags)
+        if record.staleness_max is not None:  # steps of unversioned rollouts leave the last value
+            self.staleness_mean.set(record.staleness_mean, tags=self._tags)
+            self.staleness_max.set(record.staleness_max, tags=self._tags)
+
+    def on_stale_drop(self, count: int) -> None:
+        if count:
+            self.stale_dropped.inc(count, tags=self._tags)
+
+    def on_policy_version(self, version: int) -> None:
+        self.policy_version.set(version, tags=self._tags)
 
     def on_buffer(self, rollouts: int, samples: int, steps_in_flight: int) -> None:
         self.buffered_rollouts.set(rollouts, tags=self._tags)

@@ -73,3 +73,37 @@ def test_admission():
     ok, why = admit_new_rollouts(steps_in_flight=2, max_steps_ahead=2, buffer_has_room=False, buffer_reason="buffer_full: x")
     assert not ok and why == "buffer_full: x"
     assert admit_new_rollouts(steps_in_flight=9, max_steps_ahead=None, buffer_has_room=True, buffer_reason="") == (True, "")
+
+
+def test_stale_rollouts_are_dropped_first_and_a_last_chance_wait_holds_a_full_step():
+    from vgbs_ray.scheduler_policy import DropStale
+
+    assert isinstance(next_action(view(num_ready=4, num_stale=1)), DropStale)
+    assert isinstance(next_action(view(num_ready=4, num_stale=1, registered=False)), DropStale)  # needs no layout
+    assert isinstance(next_action(view(num_ready=4, waiting_for=1)), WaitFor)
+    assert isinstance(next_action(view(num_ready=4, waiting_for=1, flush_requests=(FLUSH,))), RunFlush)  # never stalls
+
+
+def test_choose_step_replays_put_back_rollouts_first_then_oldest_first():
+    from vgbs_ray.scheduler_policy import choose_step, oldest_versions
+    from vgbs_ray.staleness_window import StalenessWindow
+
+    window = StalenessWindow(gbs=3, max_staleness=1, steps_formed=5)
+    ready = {"r1": 5, "r2": 4, "new": 4, "older": 4, "ancient": 2}
+    choice = choose_step(ready, window=window, replay={"r1", "r2"})
+    assert choice.take == ["r1", "r2", "new"] and choice.stale == ["ancient"] and choice.num_fresh == 4
+    assert choose_step(ready, window=window).take == ["r2", "new", "older"]
+    window.try_admit(["slow"], engine_version=4)
+    assert choose_step(ready, window=window).take == [] and choose_step(ready, window=window).waiting_for == 1
+    assert choose_step(ready, window=window, wait_for_in_flight=False).take == ["r2", "new", "older"]
+    assert choose_step({"a": 5}, window=window, wait_for_in_flight=False).take == []
+    assert choose_step({"a": 5}, window=window, wait_for_in_flight=False, allow_partial=True).take == ["a"]
+
+    from vgbs_ray.sample import Sample
+    import numpy as np
+
+    def sample(v):
+        return Sample(rollout_id="x", tokens=np.arange(3), response_length=1, loss_mask=np.ones(1, np.int8), reward=0.0,
+                      policy_version_min=v, policy_version_max=v)
+    assert oldest_versions([("a", [sample(3), sample(2)]), ("b", [sample(None)]), ("c", [sample(9)])],
+                           trained_version=5) == {"a": 2, "b": None, "c": 5}  # from "the future" (a rewind): current

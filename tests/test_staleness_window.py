@@ -65,3 +65,14 @@ def test_a_rollout_past_its_last_chance_is_not_waited_for():
 def test_bad_construction_is_named():
     with pytest.raises(ValueError, match="gbs >= 1"):
         StalenessWindow(gbs=0, max_staleness=0)
+
+
+def test_restored_pending_and_end_of_input_discards():
+    window = StalenessWindow(gbs=2, max_staleness=0, steps_formed=4)
+    window.add_pending(["restored"])  # a restored scheduler's untrained rollout fills step 4 first
+    assert not window.try_admit(["a", "b"], engine_version=4).admit  # would land in step 5
+    assert window.try_admit(["a"], engine_version=4).admit and window.is_pending("restored")
+    assert window.next_step({"x": 4, "y": 4}).waiting_for == 1
+    assert window.next_step({"x": 4, "y": 4}, wait_for_in_flight=False).take == ["x", "y"]
+    assert window.discard_in_flight() == ["a"]
+    assert (window.pending_rollouts, window.in_flight_rollouts) == (1, 0)

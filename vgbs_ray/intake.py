@@ -426,6 +426,22 @@ class RolloutIntake:
             taken.append(rollout)
         return taken
 
+    def ready_rollouts(self):
+        """The ready rollouts, first ready first (a view: do not change the intake while iterating)."""
+        return self._ready.values()
+
+    def take(self, rollout_ids) -> list[ReadyRollout]:
+        """Remove and return the named ready rollouts, in the given order (like `take_oldest`, by id).
+        Raises KeyError for an id that is not ready (nothing is taken then)."""
+        missing = [rid for rid in rollout_ids if rid not in self._ready]
+        if missing:
+            raise KeyError(f"rollouts {missing[:3]} are not ready")
+        taken = [self._ready.pop(rid) for rid in rollout_ids]
+        for rollout in taken:
+            self._release(rollout.samples)
+            self._taken.add(rollout.rollout_id)
+        return taken
+
     def settle(self, rollout_ids) -> None:
         """Taken rollouts are now scheduled or dropped in the ledger."""
         self._taken.difference_update(rollout_ids)

@@ -44,6 +44,9 @@ class SchedulerState:
     """Untrained accepted rollouts in training order (emitted steps >= next_step first), open groups."""
     policy_version: int
     """The version step `next_step` trains (= next_step: step k trains the weights after k optimizer steps)."""
+    replay_rollouts: int = 0
+    """How many of the first ready rollouts come from emitted steps >= next_step: they form the next
+    steps first, in this order (also under the staleness rules' oldest-first fill)."""
     rejected_samples_by_rule: dict = field(default_factory=dict)
     dropped_by_reason: dict = field(default_factory=dict)
     """For reports only (the settled table is the truth and restores these counts exactly)."""
@@ -63,6 +66,9 @@ class SchedulerState:
             raise ConfigError(f"SchedulerState.settled must be SettledIds.to_bytes() output, got {type(self.settled).__name__}")
         if not isinstance(self.intake, IntakeSnapshot):
             raise ConfigError(f"SchedulerState.intake must be an IntakeSnapshot, got {type(self.intake).__name__}")
+        if not 0 <= self.replay_rollouts <= len(self.intake.ready):
+            raise ConfigError(f"SchedulerState.replay_rollouts {self.replay_rollouts} is not within the "
+                              f"{len(self.intake.ready)} ready rollouts")
         ids = self.intake.rollout_ids
         if len(set(ids)) != len(ids):
             seen: set = set()

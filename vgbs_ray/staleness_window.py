@@ -65,6 +65,20 @@ class StalenessWindow:
     def in_flight_rollouts(self) -> int:
         return len(self._in_flight)
 
+    def is_pending(self, rollout_id: Hashable) -> bool:
+        return rollout_id in self._pending
+
+    def add_pending(self, rollout_ids: Iterable[Hashable]) -> None:
+        """Count buffered rollouts as pending without admitting them (a restored scheduler's untrained
+        rollouts: they fill the next steps, so later admissions must land behind them). Not in flight."""
+        self._pending.update(rollout_ids)
+
+    def discard_in_flight(self) -> list:
+        """Nothing in flight will arrive any more (end of input): forget those rollouts; returns their ids."""
+        ids = list(self._in_flight)
+        self.discard(ids)
+        return ids
+
     def try_admit(self, rollout_ids: Iterable[Hashable], engine_version: int) -> AdmissionDecision:
         """Admit all of `rollout_ids` (a group) or none; admitted ones count as pending and in flight."""
         ids = list(rollout_ids)
@@ -89,13 +103,15 @@ class StalenessWindow:
             self._pending.discard(rid)
             self._in_flight.pop(rid, None)
 
-    def next_step(self, buffered_oldest: Mapping[Hashable, int | None], *, allow_partial: bool = False) -> StepPlan:
+    def next_step(self, buffered_oldest: Mapping[Hashable, int | None], *, allow_partial: bool = False,
+                  wait_for_in_flight: bool = True) -> StepPlan:
         """The plan for the step that trains version `steps_formed`, from the buffered rollouts
         (id -> oldest version, None = unversioned, in arrival order). A full step takes `gbs`;
-        with `allow_partial` (a flush, end of input) it takes whatever fresh rollouts there are."""
+        with `allow_partial` (a flush, end of input) it takes whatever fresh rollouts there are.
+        wait_for_in_flight=False (a flush: it must never stall) plans without rule 2's wait."""
         split = split_stale(buffered_oldest, trained_version=self.steps_formed, max_staleness=self.max_staleness)
         waiting = last_chance_in_flight(self._in_flight.values(), trained_version=self.steps_formed,
-                                        max_staleness=self.max_staleness)
+                                        max_staleness=self.max_staleness) if wait_for_in_flight else 0
         if waiting or not split.fresh or (len(split.fresh) < self.gbs and not allow_partial):
             return StepPlan([], split.stale, waiting)
         return StepPlan(oldest_first(split.fresh, buffered_oldest)[:self.gbs], split.stale, 0)
