@@ -92,6 +92,8 @@ class EnvProducerReport:
     """Rollouts of groups started but not pushed when `stop()` came."""
     not_admitted: int
     """Admission refusals (each followed by a wait and a new request)."""
+    skipped_known_groups: int
+    """Groups not sampled because the scheduler already held all their rollouts (a resumed run)."""
     engine_wait_s: float
     """Awaiting the engines' generate."""
     idle_s: float
@@ -99,6 +101,8 @@ class EnvProducerReport:
     mean_reward: float | None
     """Over every pushed rollout (filtered groups included): the sampling policy's reward."""
     stopped: bool
+    in_flight: int
+    """Prompts drawn and not yet pushed or abandoned, at the time of the report."""
     cursor: dict
 
 
@@ -112,6 +116,7 @@ class EnvProducer:
         self._prompts = PromptGenerator(config.task, start)
         self._drawn = 0
         self._in_flight: dict[str, tuple[Prompt, bool]] = {}  # prompt id -> (prompt, from the dataset)
+        self._unpushed: dict[str, int] = {}  # generator prompts drawn, not pushed (abandoned ones too): id -> index
         self._admitted: dict[str, list[str]] = {}  # prompt id -> rollout ids admitted, not yet pushed
         self._has_admission = _has_method(scheduler, "admit")
         self._has_abandon = _has_method(scheduler, "abandon")
@@ -120,7 +125,7 @@ class EnvProducer:
         self._dataset_rows: asyncio.Queue | None = None
         self._dataset_done = dataset is None
         self._counts = dict(groups=0, rollouts=0, samples=0, dataset_groups=0, deferred_retries=0,
-                            rejected_samples=0, abandoned_rollouts=0, not_admitted=0)
+                            rejected_samples=0, abandoned_rollouts=0, not_admitted=0, skipped_known_groups=0)
         self._times = dict(engine_wait_s=0.0, idle_s=0.0)
         self._reward_sum, self._reward_count = 0.0, 0
         self._unreported = (0.0, 0)  # (sum, count) since the last `drain_rewards`
@@ -149,9 +154,8 @@ class EnvProducer:
 
     def cursor(self) -> dict:
         """The generator cursor to resume from (see module docstring)."""
-        pending = [p.index for p, from_dataset in self._in_flight.values() if not from_dataset]
         cursor = self._prompts.cursor
-        return PromptCursor(cursor.seed, min(pending) if pending else cursor.next_index).to_dict()
+        return PromptCursor(cursor.seed, min(self._unpushed.values(), default=cursor.next_index)).to_dict()
 
     def drain_rewards(self) -> tuple[float, int]:
         """(sum, count) of the rewards of rollouts pushed since the previous call (filtered ones too)."""
@@ -161,7 +165,8 @@ class EnvProducer:
     def report(self) -> EnvProducerReport:
         mean = self._reward_sum / self._reward_count if self._reward_count else None
         return EnvProducerReport(agent=self._agent, **self._counts, **{k: round(v, 3) for k, v in self._times.items()},
-                                 mean_reward=mean, stopped=self._stop.is_set(), cursor=self.cursor())
+                                 mean_reward=mean, stopped=self._stop.is_set(), in_flight=len(self._in_flight),
+                                 cursor=self.cursor())
 
     # -- workers -----------------------------------------------------------------------
 
@@ -172,12 +177,15 @@ class EnvProducer:
                 return
             prompt, from_dataset = item
             self._in_flight[prompt.prompt_id] = (prompt, from_dataset)
+            if not from_dataset:
+                self._unpushed[prompt.prompt_id] = prompt.index
             try:
                 pushed = await self._answer(prompt, from_dataset)
             finally:
                 del self._in_flight[prompt.prompt_id]
             if not pushed:
                 return
+            self._unpushed.pop(prompt.prompt_id, None)
 
     async def _next_prompt(self) -> tuple[Prompt, bool] | None:
         """A dataset row while the dataset has some, else the generator's next prompt; None when out of both."""
@@ -205,8 +213,12 @@ class EnvProducer:
         """One group from admission to push; False when stopped before it was pushed (abandoned)."""
         config = self._config
         group = EpisodeGroup(config.task, prompt, group_size=config.group_size)
-        if not await self._admit(prompt.prompt_id, group.rollout_ids):
+        known = await self._admit(prompt.prompt_id, group.rollout_ids)
+        if known is None:
             return self._abandon(prompt.prompt_id, group)
+        if len(known) == len(group.rollout_ids):  # a resumed producer: the scheduler holds this group already
+            self._counts["skipped_known_groups"] += 1
+            return True
         turn = 0
         while not group.done:
             live = group.live()
@@ -222,7 +234,8 @@ class EnvProducer:
             for (_, episode), generation in zip(live, generations):
                 episode.submit(generation.response_token_ids, generation.response_log_probs, generation.policy_version)
             turn += 1
-        samples = group.to_samples(one_sample_per_turn=config.one_sample_per_turn)
+        samples = [row for row in group.to_samples(one_sample_per_turn=config.one_sample_per_turn)
+                   if row["rollout_id"] not in known]  # known ones were pushed before a resume
         if not await self._push(samples):
             return self._abandon(prompt.prompt_id, group)
         self._admitted.pop(prompt.prompt_id, None)
@@ -236,18 +249,20 @@ class EnvProducer:
         self._unreported = (self._unreported[0] + sum(rewards), self._unreported[1] + len(rewards))
         return True
 
-    async def _admit(self, prompt_id: str, rollout_ids: list[str]) -> bool:
-        """Wait until the scheduler admits the group at the engines' version; False if stopped first."""
+    async def _admit(self, prompt_id: str, rollout_ids: list[str]) -> frozenset | None:
+        """Wait until the scheduler admits the group at the engines' version; returns the ids the
+        scheduler already holds (pushed before a resume), or None if stopped first."""
         if not self._has_admission:  # a scheduler without admission control: backpressure on submit only
-            return not self._stop.is_set()
+            return None if self._stop.is_set() else frozenset()
         while not self._stop.is_set():
             decision = await self._scheduler.admit.remote(rollout_ids, await self._engine_version())
             if decision.admit:
-                self._admitted[prompt_id] = list(rollout_ids)
-                return True
+                known = frozenset(getattr(decision, "known", ()))
+                self._admitted[prompt_id] = [rid for rid in rollout_ids if rid not in known]
+                return known
             self._counts["not_admitted"] += 1
             await self._idle(self._config.admit_retry_s)
-        return False
+        return None
 
     async def _engine_version(self) -> int:
         """The oldest policy version any engine holds (a rollout may be sampled by any of them)."""
