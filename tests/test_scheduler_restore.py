@@ -155,3 +155,33 @@ def test_export_with_retention_puts_trained_steps_after_the_checkpoint_back(sche
     call(new.register_train_group, ParallelConfig(dp_size=1))
     assert [_step_ids(new, step, ack=True) for step in (1, 2)] == [steps[1], steps[2]]
     call(new.stats, check_ledger=True)
+
+
+def _versioned(rid, version: int) -> list[dict]:
+    return rollout_rows(rid, 1, policy_version_min=version, policy_version_max=version)
+
+
+def test_restore_under_staleness_replays_the_exported_step_before_older_rollouts(schedulers):
+    """Oldest-first fill would put "r" (version 0) into step 1; the replayed step 1 is the step that
+    was emitted, and the window's version continues at the exported step."""
+    old = schedulers("sched-export-stale", max_staleness=2)
+    call(old.register_train_group, ParallelConfig(dp_size=1))
+    call(old.submit, _versioned("x0", 0) + _versioned("x1", 0))
+    assert _step_ids(old, 0, ack=True) == ["x0", "x1"]
+    call(old.submit, _versioned("p", 1) + _versioned("q", 1))
+    assert _step_ids(old, 1, ack=False) == ["p", "q"]
+    call(old.submit, _versioned("r", 0))
+    state = call(old.export_state, 1)
+    assert state.untrained_rollout_ids == ["p", "q", "r"] and state.replay_rollouts == 2
+    ray.kill(old)
+    new = schedulers("sched-import-stale", restore=state, max_staleness=2)
+    assert call(new.stats).staleness_pending == 3  # restored rollouts fill the next steps before new admissions
+    assert call(new.admit, ["p", "late"], 1).known == ("p",)
+    call(new.register_train_group, ParallelConfig(dp_size=1))
+    assert _step_ids(new, 1, ack=True) == ["p", "q"]
+    call(new.submit, _versioned("late", 1))
+    assert _step_ids(new, 2, ack=True) == ["r", "late"]  # r lags 2 = max_staleness: still trained
+    record = call(new.step_record, 2)
+    assert (record.policy_version, record.staleness_max) == (2, 2)
+    stats = call(new.stats, check_ledger=True)
+    assert (stats.staleness_pending, stats.staleness_in_flight, stats.policy_version) == (0, 0, 3)
