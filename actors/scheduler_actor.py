@@ -20,6 +20,16 @@ steps are numbered in emission order. An unexpected error there (a bug, a failin
 store) is not retried: the scheduler records it as `failure` and every call then raises it,
 instead of a loop that spins or a flush that times out.
 
+Staleness (`SchedulerConfig.max_staleness`; vgbs_ray.staleness): step k trains policy version k.
+Producers `admit` a group before starting it (and `abandon` what they give up); the emitter
+drops ready rollouts too stale for the next step (reason `stale`), fills steps oldest version
+first and waits for an admitted rollout in flight whose last chance the step is; flushes never
+wait. The decisions are `scheduler_policy.choose_step` over a `StalenessWindow`.
+
+Checkpoints: `export_state(n)` (every step < n trained) returns a `SchedulerState`;
+`create_scheduler(..., restore=state)` resumes it in a new job: steps keep their global numbers
+(the first one emitted is n), settled rollouts stay settled, untrained ones train first.
+
 Backpressure contract: `submit` never blocks by default; samples it cannot take are returned
 as `SubmitResult.deferred` positions with `retry_after_s`: resubmit those. With `wait_s > 0`
 it waits up to that long for room first. A Ray Data consumer simply waits.
@@ -200,6 +210,7 @@ class SchedulerActor:
         self._accepted, self._rejected = state.accepted_samples, state.rejected_samples
         self._rollouts_seen = len(state.intake.ready)
         self._refresh_gauges()
+        self.metrics.on_policy_version(state.next_step)
         self.log.info("%s: restored at step %d: %d settled rollouts, %d untrained back in the buffer",
                       self.name, state.next_step, len(settled), state.num_live_rollouts)
 
@@ -770,6 +781,7 @@ class SchedulerActor:
         self._records[step] = record
         self._trim_records()
         self._next_step += 1
+        self.metrics.on_policy_version(self._next_step)  # here, not in _refresh_gauges: that runs on every push
         self._partial_steps += record.partial
         self._padded_steps += record.padding_microbatches > 0
         self.metrics.on_step(record)
@@ -825,6 +837,7 @@ class SchedulerActor:
         self.intake.return_front(rollouts)
         self._replay.update(r.rollout_id for r in rollouts)
         self._next_step = next_step
+        self.metrics.on_policy_version(next_step)
         if self.window is not None:
             self.window.steps_formed = next_step
         self._steps_trained = min(self._steps_trained, next_step)
@@ -846,7 +859,6 @@ class SchedulerActor:
     def _refresh_gauges(self) -> None:
         self.metrics.on_buffer(self.intake.num_buffered_rollouts, self.intake.buffered_samples,
                                self._next_step - self._steps_trained)
-        self.metrics.on_policy_version(self._next_step)
 
 
 def create_scheduler(config: SchedulerConfig, name: str = DEFAULT_NAME, *, namespace: str | None = None,
