@@ -194,3 +194,31 @@ def test_random_interleavings_keep_the_bound_and_close_the_ledger(schedulers, se
             assert state is not None and state[0] == "dropped" and state[2] in ("stale", "incomplete_group"), (rid, state)
     assert set(flush.dropped) <= set(states)
     assert trained, "the run trained nothing"
+
+
+def test_staleness_metrics_reach_the_metrics_endpoint(schedulers):
+    """Exported like the other scheduler metrics: ray_vgbs_scheduler_* tagged with the scheduler's name."""
+    import re
+    import time
+    import urllib.request
+
+    name = "sched-stale-metrics"
+    s = schedulers(name, gbs=1, max_staleness=1)
+    call(s.register_train_group, ParallelConfig(dp_size=1))
+    for step, (rid, version) in enumerate([("m0", 0), ("m1", 0), ("m2", 1)]):
+        call(s.submit, versioned(rid, version))
+        train(s, step)
+    call(s.submit, versioned("m-old", 1) + versioned("m3", 3))  # m-old lags 2 at step 3: dropped
+    assert train(s, 3) == ("m3",)
+    port = ray.nodes()[0]["MetricsExportPort"]
+    pattern = re.compile(r'^ray_vgbs_scheduler_(policy_version|step_staleness_max|step_staleness_mean|'
+                         r'stale_dropped_rollouts_total)\{[^}]*scheduler="%s"[^}]*\} ([0-9.e+]+)$' % name, re.M)
+    want = {"policy_version": 4.0, "step_staleness_max": 0.0, "step_staleness_mean": 0.0, "stale_dropped_rollouts_total": 1.0}
+    found: dict = {}
+    deadline = time.monotonic() + 45
+    while time.monotonic() < deadline and found != want:  # the export is periodic: poll until it shows the values
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        found = {metric: float(value) for metric, value in pattern.findall(text)}
+        if found != want:
+            time.sleep(1.0)
+    assert found == want

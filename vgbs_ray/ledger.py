@@ -161,10 +161,6 @@ class Ledger:
         ledger._last_scheduled_step = next_step - 1
         return ledger
 
-    def live_ids(self) -> list:
-        """Ids of the live rollouts (buffered, scheduled, trained-but-unsettled). O(live)."""
-        return list(self._live)
-
     # -- transitions -----------------------------------------------------------------
     def accept_sample(self, rollout_id: Hashable) -> None:
         """A sample of `rollout_id` was accepted into the buffer (a new rollout becomes BUFFERED).
