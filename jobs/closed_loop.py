@@ -125,6 +125,12 @@ class ClosedLoop:
         count = sum(c for _, c in pairs)
         return sum(s for s, _ in pairs) / count if count else None
 
+    def engine_idle_share(self) -> float:
+        """Share of the engines' time since start spent with nothing to do (spare sampling capacity)."""
+        usage = self.engines.utilization()
+        total = sum(u.busy_s + u.idle_s for u in usage)
+        return sum(u.idle_s for u in usage) / total if total > 0 else 0.0
+
     def cursors(self) -> list[dict]:
         """Each producer's resume cursor (for checkpoints)."""
         return ray.get([actor.cursor.remote() for actor, _ in self.producers], timeout=60)

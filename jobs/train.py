@@ -1,12 +1,20 @@
 """The vgbs-ray training job: agentic producers -> SchedulerActor -> Megatron TrainActors.
 
-    python -m jobs.train                                  # embedded default: in-process Ray, tiny GPT
+    python -m jobs.train                                  # embedded default: the closed loop, in-process Ray
+    python -m jobs.train --set closed_loop.enabled=false  # synthetic producers instead (no engines)
     python -m jobs.train --config jobs/configs/local.yaml --set scheduler.batch.global_batch_size=6
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
         python -m jobs.train --set run.ray_address=auto
 
+The default is the closed loop (jobs/closed_loop.py): vLLM engines start from the policy's
+initial weights, EnvProducers sample the digit task through them, and after every optimizer
+step the train group publishes its weights (policy version = steps trained) and the engines load
+them without the trainer waiting. With closed_loop.enabled=false synthetic producers
+(actors/producers.py) and a Ray Data stream of synthetic rollouts feed the scheduler instead.
+
 Per step it prints one line (rollouts, samples, micro-batches per rank, tokens, loss,
-reward, time) and appends one JSON record to <output_dir>/steps.jsonl; at the end a
+reward, time; in the closed loop also the policy version, staleness, the sampled reward, the
+train/engine log-prob mismatch and the weight-sync time) and appends one JSON record to <output_dir>/steps.jsonl; at the end a
 summary, <output_dir>/summary.json and a plot <output_dir>/steps.png. Checkpoints hold the
 train group's state and the scheduler's ledger; --set run.resume=true continues from the
 latest one.
@@ -29,7 +37,9 @@ from actors.producers import rollout_dataset, start_producers
 from actors.scheduler_actor import create_scheduler
 from actors.train_group import PlacementGroupTimeoutError, TrainStepError
 from jobs.checkpoint import checkpoint_next_step, latest_checkpoint
+from jobs.closed_loop import ClosedLoop
 from jobs.job_config import JobConfig, load_job_config, options_help
+from jobs.job_metrics import JobMetrics
 from jobs.progress import StepLine, StepRecorder, plot_records, read_records
 from jobs.recovery import JobFailedError, TrainController
 from vgbs_ray.errors import ConfigError
@@ -44,7 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="options (set in the YAML file or with --set section.key=value):\n" + options_help(),
     )
-    parser.add_argument("--config", help="YAML file with sections run, producers, scheduler, train (default: embedded)")
+    parser.add_argument("--config", help="YAML file with sections run, closed_loop, producers, scheduler, train "
+                                         "(default: embedded)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override one option, e.g. --set scheduler.batch.global_batch_size=6 (repeatable)")
     parser.add_argument("--records", help="JSON Lines file for per-step records (default: <run.output_dir>/steps.jsonl)")
@@ -138,6 +149,9 @@ def step_line(result, record) -> StepLine:
         microbatches_per_rank=record.microbatches_per_rank[0], num_tokens=record.num_tokens,
         loss=result.metrics.get("loss", float("nan")), reward=result.metrics.get("reward", float("nan")),
         step_time_s=result.step_time_s, lr=result.lr, layout=record.layout, partial=record.partial,
+        # The scheduler's staleness figures, where its records carry them.
+        staleness_mean=getattr(record, "staleness_mean", None), staleness_max=getattr(record, "staleness_max", None),
+        log_prob_mismatch=result.metrics.get("log_prob_mismatch"),
     )
 
 
@@ -157,23 +171,32 @@ def train(config: JobConfig, records_path: str, on_event=None) -> dict:
     if config.run.max_failures > 0:  # trained steps stay rewindable until a checkpoint holds them
         scheduler_config = dataclasses.replace(scheduler_config, retain_until_checkpoint=True)
     scheduler = create_scheduler(scheduler_config)
-    controller, producers, close_input = None, [], None
+    controller, producers, close_input, loop = None, [], None, None
     try:
         first_step = checkpoint_next_step(resume_from) if resume_from is not None else 0
         controller = TrainController(config, scheduler, first_step=first_step, restore_from=resume_from)
         controller.start()
         if resume_from is not None:
             print(f"resumed from {resume_from} at step {first_step}", flush=True)
-        run_tag = f"from-step{first_step}"  # fresh rollout ids after a resume
-        producers = start_producers(config.producers, scheduler, run_tag)
-        if config.producers.dataset_prompts:
-            ray.get(scheduler.consume_dataset.remote(rollout_dataset(config.producers, run_tag)), timeout=60)
+        if config.closed_loop.enabled:
+            # Engines from the weights the group starts with (version = steps trained so far), then producers.
+            started = time.monotonic()
+            loop = ClosedLoop.start(config, scheduler, controller.group, policy_version=first_step,
+                                    first_step=first_step)
+            producers = loop.producers
+            print(f"closed loop: {config.closed_loop.engines.num_engines} rollout engine(s) at policy version "
+                  f"{first_step}, {len(producers)} env producers ({time.monotonic() - started:.1f} s)", flush=True)
+        else:
+            run_tag = f"from-step{first_step}"  # fresh rollout ids after a resume
+            producers = start_producers(config.producers, scheduler, run_tag)
+            if config.producers.dataset_prompts:
+                ray.get(scheduler.consume_dataset.remote(rollout_dataset(config.producers, run_tag)), timeout=60)
         close_input = close_input_when_producers_finish(scheduler, producers, timeout_s=600)
 
         start = time.monotonic()
         recorder = StepRecorder(records_path, append=resume_from is not None)
         try:
-            trained = run_steps(config, controller, recorder, on_event)
+            trained = run_steps(config, controller, recorder, on_event, loop=loop, metrics=JobMetrics(out))
         finally:
             recorder.close()
         elapsed = time.monotonic() - start
@@ -182,10 +205,15 @@ def train(config: JobConfig, records_path: str, on_event=None) -> dict:
         # Steps emitted past the last trained one (run.num_steps reached) never train: dropped as run_ended.
         ray.get(scheduler.drop_untrained.remote(len(trained)), timeout=60)
         stats = ray.get(scheduler.stats.remote(check_ledger=True), timeout=60)
-        return {**summarize(stats, trained, elapsed, controller), "producers": close_input.outcome()}
+        summary = {**summarize(stats, trained, elapsed, controller), "producers": close_input.outcome()}
+        if loop is not None:
+            summary["closed_loop"] = closed_loop_summary(trained, close_input.reports, loop)
+        return summary
     finally:
         if producers:  # a failed run: stop them before the scheduler goes
             stop_producers(producers, close_input, timeout_s=10)
+        if loop is not None:
+            loop.shutdown()
         if controller is not None:
             controller.shutdown()
         try:
@@ -201,9 +229,13 @@ RECOVERABLE_ERRORS = (TrainStepError, PlacementGroupTimeoutError, ray.exceptions
 
 
 def run_steps(config: JobConfig, controller: TrainController, recorder: StepRecorder,
-              on_event=None) -> list[StepLine]:
+              on_event=None, loop: ClosedLoop | None = None, metrics: JobMetrics | None = None) -> list[StepLine]:
     """Train up to run.num_steps steps, or until the input ends; returns the line of each step in
     the final model's history.
+
+    Closed loop (`loop` given): after each trained step k the group publishes its weights as policy
+    version k + 1 and the engines load them without the trainer waiting; after a recovery the
+    restored weights are published as the restored step's version.
 
     A train-group failure is recovered (jobs/recovery.py): the steps after the latest checkpoint
     train again, their lines replaced by the replay's (the records file keeps both, in time
@@ -222,6 +254,19 @@ def run_steps(config: JobConfig, controller: TrainController, recorder: StepReco
                 if result is not None:
                     record = ray.get(scheduler.step_record.remote(step), timeout=60)
                     line = dataclasses.replace(step_line(result, record), step=first + step)
+                    if loop is not None:
+                        sync_s = loop.publish(controller.group, first + step + 1)
+                        line = dataclasses.replace(line, policy_version=first + step, weight_sync_s=sync_s,
+                                                   sampled_reward=loop.drain_sampled_reward())
+                    if metrics is not None:  # the dashboard's per-step gauges (jobs/job_metrics.py)
+                        metrics.on_step(step=first + step, num_rollouts=line.num_rollouts, reward=line.reward,
+                                        policy_version=None if loop is None else first + step + 1,
+                                        weight_sync_s=line.weight_sync_s,
+                                        trainer_idle_s=getattr(result, "shard_wait_s", None),
+                                        staleness_mean=line.staleness_mean, staleness_max=line.staleness_max,
+                                        log_prob_mismatch=line.log_prob_mismatch)
+                        if loop is not None and step % 10 == 0:
+                            metrics.on_engines(loop.engine_idle_share())
                     print(line.text(), flush=True)
                     recorder.write(line)
                     lines[step] = line
@@ -240,6 +285,8 @@ def run_steps(config: JobConfig, controller: TrainController, recorder: StepReco
             step = controller.recover(error, step)
             for undone in [s for s in lines if s >= step]:
                 del lines[undone]
+            if loop is not None:  # the engines go back to the restored weights
+                loop.publish(controller.group, first + step)
 
 
 def summarize(stats, trained: list[StepLine], elapsed_s: float, controller: TrainController | None = None) -> dict:
@@ -258,6 +305,31 @@ def summarize(stats, trained: list[StepLine], elapsed_s: float, controller: Trai
         "recoveries": [dataclasses.asdict(r) for r in controller.recoveries] if controller is not None else [],
         "elapsed_s": round(elapsed_s, 2),
         "rollouts_per_s": round(rollouts / elapsed_s, 3) if elapsed_s > 0 else None,
+    }
+
+
+def closed_loop_summary(trained: list[StepLine], reports: list, loop: ClosedLoop) -> dict:
+    """The closed loop's part of the summary: reward curve ends, staleness, sync times, producer counts."""
+    def mean(values):
+        values = [v for v in values if v is not None and v == v]
+        return round(sum(values) / len(values), 4) if values else None
+
+    sampled = [line.sampled_reward for line in trained]
+    counts = {key: sum(getattr(r, key) for r in reports)
+              for key in ("groups", "rollouts", "samples", "dataset_groups", "deferred_retries", "rejected_samples",
+                          "abandoned_rollouts", "not_admitted")}
+    return {
+        "sampled_reward_first10": mean(sampled[:10]), "sampled_reward_last10": mean(sampled[-10:]),
+        "trained_reward_first10": mean([line.reward for line in trained[:10]]),
+        "trained_reward_last10": mean([line.reward for line in trained[-10:]]),
+        "staleness_mean": mean([line.staleness_mean for line in trained]),
+        "staleness_max": max((line.staleness_max for line in trained if line.staleness_max is not None), default=None),
+        "weight_sync_s_mean": mean([line.weight_sync_s for line in trained]),
+        "engine_load_s_mean": mean([seconds for _, seconds in loop.load_times_s]),
+        "engine_idle_share": round(loop.engine_idle_share(), 3),
+        "producers": counts,
+        "engine_wait_s": round(sum(r.engine_wait_s for r in reports), 2),
+        "producer_idle_s": round(sum(r.idle_s for r in reports), 2),
     }
 
 

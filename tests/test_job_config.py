@@ -27,6 +27,19 @@ def test_embedded_default_is_the_tiny_local_run():
     assert config.train.loss.off_policy.policy_loss == "decoupled_ppo"
 
 
+def test_closed_loop_off_switches_to_the_synthetic_defaults_and_explicit_keys_still_win():
+    config = load_job_config(None, ["closed_loop.enabled=false"])
+    assert not config.closed_loop.enabled
+    assert config.scheduler.batch.global_batch_size == 8 and config.run.num_steps == 8
+    assert config.train.loss.off_policy.policy_loss == "ppo" and config.train.loss.off_policy.max_staleness == 0
+    assert config.scheduler_with_model_limits().max_staleness is None  # synthetic rollouts carry no versions
+    assert config.producers.rollouts.vocab_size == config.train.model.vocab_size
+    mine = load_job_config(None, ["closed_loop.enabled=false", "scheduler.batch.global_batch_size=6"])
+    assert mine.scheduler.batch.global_batch_size == 6
+    # The closed loop hands the loss's bound to the scheduler.
+    assert load_job_config().scheduler_with_model_limits().max_staleness == 1
+
+
 def test_overrides_change_only_the_named_keys():
     config = load_job_config(None, ["scheduler.batch.global_batch_size=6", "train.model.hidden_size=32",
                                     "producers.rollouts.max_samples_per_rollout=2"])

@@ -33,6 +33,7 @@ GLOBAL_BATCH_SIZE = 7
 # 2 agents x 5 prompts x 2 rollouts + 2 dataset prompts x 2 = 24 rollouts (not a multiple of 7),
 # plus malformed rollouts that must be rejected while training goes on.
 SMALL_RUN = [
+    "closed_loop.enabled=false",  # the synthetic producers (the default is the closed loop: tests/test_closed_loop_*)
     "producers.num_agents=2", "producers.prompts_per_agent=5", "producers.group_size=2",
     "producers.dataset_prompts=2", "producers.uniform_group_fraction=0", "producers.bad_rollout_fraction=0.5",
     "producers.max_delay_s=0.1", f"scheduler.batch.global_batch_size={GLOBAL_BATCH_SIZE}", "run.num_steps=20",
