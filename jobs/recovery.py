@@ -2,8 +2,9 @@
 
     controller = TrainController(config, scheduler, first_step=0, restore_from=None)
     controller.start()                                   # the first group (restored if resuming)
+    controller.attach_producers(producers, cursors)      # their cursors go into each checkpoint
     result = controller.group.train_step(step, scheduler)
-    controller.checkpoint(job_next_step)                 # durable; the scheduler may settle those steps
+    controller.checkpoint(next_step)                     # durable; the scheduler may settle those steps
     step = controller.recover(error, failed_step)        # or raises JobFailedError / SchedulerLostError
     controller.shutdown()
 
@@ -19,8 +20,10 @@ Recovery (the failure policy in `vgbs_ray/failure_policy.py` decides, this acts)
 Invariants: the scheduler is told `checkpointed(n)` only after the checkpoint of steps < n is
 durably written (`latest` points at it), so a rewind never needs a settled step. The LR
 schedule's consumed-rollout count lives in the checkpoint, so it comes back with the weights.
-Steps are the scheduler's (0 at this job's start); a checkpoint's name is the job's step
-(`first_step` + scheduler step, continuing a resumed run).
+Steps are global: the run's step numbers, which the scheduler, the records and the checkpoints
+share; a resumed job's scheduler is restored at its checkpoint's step (`first_step`) and
+continues the numbering from there. A checkpoint holds the producers' cursors (taken first) and
+the scheduler's exported state (jobs/checkpoint.py), so a later job resumes exactly once.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 import ray
 
 from actors.train_group import PlacementGroupTimeoutError, TrainGroup, TrainStepError
-from jobs.checkpoint import load_job_state, save_job_state
+from jobs.checkpoint import load_job_state, producer_cursors, save_job_state
 from jobs.job_config import JobConfig
 from vgbs_ray.errors import VgbsError
 from vgbs_ray.failure_policy import FailureAction, FailureKind, FailureStatus, make_decision
@@ -57,9 +60,9 @@ class Recovery:
 
     kind: str
     failed_step: int
-    """The scheduler step that failed (in flight or being checkpointed)."""
+    """The step that failed (in flight or being checkpointed)."""
     restored_step: int
-    """The scheduler step the new group continues from (the checkpoint holds every step before it)."""
+    """The step the new group continues from (the checkpoint holds every step before it)."""
     steps_redone: int
     """Steps trained after the checkpoint, undone and trained again (the in-flight one not counted)."""
     rollouts_replayed: int
@@ -85,7 +88,15 @@ class TrainController:
         self.consumed_rollouts: int | None = None
         """The LR schedule's consumed-rollout count after the latest step (the step loop sets it)."""
         self._restore_path = restore_from
-        self._restore_step = first_step  # job step the restore point holds every step before
+        self._restore_step = first_step  # the step the restore point holds every step before
+        self._producers: list = []
+        self._cursors: list = []  # the producers' latest cursors (a dead producer keeps its last one)
+
+    def attach_producers(self, producers: list, cursors: list | None = None) -> None:
+        """The job's producers ((actor, run ref) pairs, in producer-index order) whose cursors each
+        checkpoint saves; `cursors`: where they started (None: from their first prompt)."""
+        self._producers = list(producers)
+        self._cursors = list(cursors or [None] * len(producers))
 
     @property
     def retains(self) -> bool:
@@ -94,24 +105,29 @@ class TrainController:
 
     @property
     def checkpointed_step(self) -> int:
-        """The job step the latest checkpoint (or the resumed one) continues at."""
+        """The step the latest checkpoint (or the resumed one) continues at."""
         return self._restore_step
 
     def start(self) -> None:
         self.group = self._new_group()
 
-    def checkpoint(self, job_next_step: int) -> str:
-        """Save every step < job_next_step; then the scheduler may settle them for good."""
-        path = save_job_state(self.config.run.output_dir, job_next_step, self.group, self.scheduler)
-        self._restore_path, self._restore_step = path, job_next_step
+    def checkpoint(self, next_step: int) -> str:
+        """Save every step < next_step (producers' cursors first, then the scheduler's state, then the
+        train group); then the scheduler may settle those steps for good."""
+        path = save_job_state(self.config.run.output_dir, next_step, self.group, self.scheduler, self._take_cursors)
+        self._restore_path, self._restore_step = path, next_step
         self.last_stats = ray.get(self.scheduler.stats.remote(), timeout=60)
         if self.retains:
-            ray.get(self.scheduler.checkpointed.remote(job_next_step - self.first_step), timeout=60)
+            ray.get(self.scheduler.checkpointed.remote(next_step), timeout=60)
         return path
+
+    def _take_cursors(self) -> list:
+        self._cursors = producer_cursors(self._producers, self._cursors)
+        return self._cursors
 
     def recover(self, error: BaseException, failed_step: int) -> int:
         """Restart the group from the latest checkpoint and rewind the scheduler; returns the
-        scheduler step to continue from. Raises JobFailedError when the policy says stop."""
+        step to continue from. Raises JobFailedError when the policy says stop."""
         detected = time.monotonic()
         kind = self._classify(error)
         self._decide(kind, error, failed_step)
@@ -126,7 +142,7 @@ class TrainController:
                 lost = not self._scheduler_alive()
                 self._decide(FailureKind.SCHEDULER_LOST if lost else FailureKind.START_FAILED, start_error, failed_step)
         group_start_s = time.monotonic() - started
-        restored = self._restore_step - self.first_step
+        restored = self._restore_step
         try:
             replayed = ray.get(self.scheduler.rewind.remote(restored), timeout=60)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as lost:
@@ -136,7 +152,7 @@ class TrainController:
                             time_to_recover_s=round(time.monotonic() - detected, 3),
                             group_start_s=round(group_start_s, 3))
         self.recoveries.append(recovery)
-        print(f"recovered from {kind.value} at step {self.first_step + failed_step}: new train group from "
+        print(f"recovered from {kind.value} at step {failed_step}: new train group from "
               f"{self._restore_path or 'the initial weights'}, {recovery.steps_redone} steps redone, "
               f"{replayed} rollouts replayed, {recovery.time_to_recover_s:.1f} s (new group {group_start_s:.1f} s)",
               flush=True)
@@ -189,7 +205,7 @@ class TrainController:
         if decision.action is FailureAction.STOP:
             if kind is FailureKind.SCHEDULER_LOST:
                 raise SchedulerLostError(self._what_was_lost(failed_step, decision.reason)) from error
-            raise JobFailedError(f"step {self.first_step + failed_step}: {error}; {decision.reason}") from error
+            raise JobFailedError(f"step {failed_step}: {error}; {decision.reason}") from error
         self.failures += 1
 
     def _what_was_lost(self, failed_step: int, reason: str) -> str:
@@ -197,8 +213,9 @@ class TrainController:
         held = ("nothing buffered is known" if seen is None else
                 f"at its last report it held {seen.buffered_rollouts} buffered rollouts and "
                 f"{seen.steps_in_flight} steps emitted but not trained")
-        since = failed_step - (self._restore_step - self.first_step)
+        since = failed_step - self._restore_step
         where = self._restore_path or "no checkpoint (the run restarts from the beginning)"
-        return (f"the SchedulerActor died at step {self.first_step + failed_step}: {held}; those rollouts and the "
-                f"ledger of the {since} steps trained since the latest checkpoint are lost; in-flight producer "
-                f"pushes fail. The latest checkpoint is {where} (step {self._restore_step}). {reason}")
+        return (f"the SchedulerActor died at step {failed_step}: {held}; those rollouts and the "
+                f"ledger of the {since} steps trained since the latest checkpoint are lost to this job; in-flight "
+                f"producer pushes fail. The latest checkpoint is {where} (step {self._restore_step}); a resume "
+                f"from it gets back the rollouts it held and regenerates what producers pushed after it. {reason}")

@@ -16,8 +16,9 @@ Per step it prints one line (rollouts, samples, micro-batches per rank, tokens, 
 reward, time; in the closed loop also the policy version, staleness, the sampled reward, the
 train/engine log-prob mismatch and the weight-sync time) and appends one JSON record to <output_dir>/steps.jsonl; at the end a
 summary, <output_dir>/summary.json and a plot <output_dir>/steps.png. Checkpoints hold the
-train group's state and the scheduler's ledger; --set run.resume=true continues from the
-latest one.
+train group's state, the scheduler's state (ledger, buffered rollouts, step, policy version) and
+the producers' cursors; --set run.resume=true continues the run from the latest one, exactly
+once (jobs/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ import time
 
 import ray
 
-from actors.producers import rollout_dataset, start_producers
+from actors.producers import dataset_rollout_ids, rollout_dataset, start_producers
 from actors.scheduler_actor import create_scheduler
 from actors.train_group import PlacementGroupTimeoutError, TrainStepError
-from jobs.checkpoint import checkpoint_next_step, latest_checkpoint
+from jobs.checkpoint import dataset_prompts_to_resend, latest_checkpoint, load_resume_point
 from jobs.closed_loop import ClosedLoop
 from jobs.job_config import JobConfig, load_job_config, options_help
 from jobs.job_metrics import JobMetrics
@@ -163,34 +164,45 @@ def train(config: JobConfig, records_path: str, on_event=None) -> dict:
     closed, what never trained is dropped (run_ended), the ledger is checked, and the train group
     and the scheduler go. `on_event(event, step, controller)`, if given, is called with
     "step_started" before each step and "step_trained" after its record is written (step: the
-    scheduler's; for tests and tools).
+    run's global step; for tests and tools).
     """
     out = config.run.output_dir
     resume_from = latest_checkpoint(out) if config.run.resume else None
+    resume = load_resume_point(resume_from) if resume_from is not None else None
     scheduler_config = config.scheduler_with_model_limits()
     if config.run.max_failures > 0:  # trained steps stay rewindable until a checkpoint holds them
         scheduler_config = dataclasses.replace(scheduler_config, retain_until_checkpoint=True)
-    scheduler = create_scheduler(scheduler_config)
+    # A resume restores the scheduler (global step numbers continue at the checkpoint's step, settled
+    # rollout ids stay known, untrained ones train first) and starts producers at their cursors.
+    scheduler = create_scheduler(scheduler_config, restore=resume.scheduler_state if resume else None)
     controller, producers, close_input, loop = None, [], None, None
     try:
-        first_step = checkpoint_next_step(resume_from) if resume_from is not None else 0
+        first_step = resume.next_step if resume is not None else 0
         controller = TrainController(config, scheduler, first_step=first_step, restore_from=resume_from)
         controller.start()
-        if resume_from is not None:
-            print(f"resumed from {resume_from} at step {first_step}", flush=True)
+        if resume is not None:
+            print(f"resumed from {resume_from} at step {first_step} (policy version {resume.policy_version}, "
+                  f"{resume.scheduler_state.num_live_rollouts} untrained rollouts restored)", flush=True)
+        cursors = resume.cursors if resume is not None else None
         if config.closed_loop.enabled:
             # Engines from the weights the group starts with (version = steps trained so far), then producers.
             started = time.monotonic()
             loop = ClosedLoop.start(config, scheduler, controller.group, policy_version=first_step,
-                                    first_step=first_step)
+                                    first_step=first_step, cursors=cursors)
             producers = loop.producers
+            controller.attach_producers(producers, cursors)
             print(f"closed loop: {config.closed_loop.engines.num_engines} rollout engine(s) at policy version "
                   f"{first_step}, {len(producers)} env producers ({time.monotonic() - started:.1f} s)", flush=True)
         else:
-            run_tag = f"from-step{first_step}"  # fresh rollout ids after a resume
-            producers = start_producers(config.producers, scheduler, run_tag)
-            if config.producers.dataset_prompts:
-                ray.get(scheduler.consume_dataset.remote(rollout_dataset(config.producers, run_tag)), timeout=60)
+            producers = start_producers(config.producers, scheduler, cursors)
+            controller.attach_producers(producers, cursors)
+            dataset_prompts = list(range(config.producers.dataset_prompts))
+            if resume is not None:  # only the prompts the checkpoint does not wholly hold
+                dataset_prompts = dataset_prompts_to_resend(
+                    resume.scheduler_state, {p: dataset_rollout_ids(config.producers, p) for p in dataset_prompts})
+            if dataset_prompts:
+                ray.get(scheduler.consume_dataset.remote(rollout_dataset(config.producers, dataset_prompts)),
+                        timeout=60)
         close_input = close_input_when_producers_finish(scheduler, producers, timeout_s=600)
 
         start = time.monotonic()
@@ -203,7 +215,7 @@ def train(config: JobConfig, records_path: str, on_event=None) -> dict:
         stop_producers(producers, close_input)
         producers = []
         # Steps emitted past the last trained one (run.num_steps reached) never train: dropped as run_ended.
-        ray.get(scheduler.drop_untrained.remote(len(trained)), timeout=60)
+        ray.get(scheduler.drop_untrained.remote(first_step + len(trained)), timeout=60)
         stats = ray.get(scheduler.stats.remote(check_ledger=True), timeout=60)
         summary = {**summarize(stats, trained, elapsed, controller), "producers": close_input.outcome()}
         if loop is not None:
@@ -239,12 +251,13 @@ def run_steps(config: JobConfig, controller: TrainController, recorder: StepReco
 
     A train-group failure is recovered (jobs/recovery.py): the steps after the latest checkpoint
     train again, their lines replaced by the replay's (the records file keeps both, in time
-    order). The scheduler numbers its steps from 0; the job's step (records, checkpoints)
-    continues a resumed run from `controller.first_step`. The run ends with a checkpoint.
+    order). Steps are global: a resumed run's scheduler, records and checkpoints continue at
+    `controller.first_step`, and run.num_steps counts the whole run's steps (a resumed run stops
+    where the uninterrupted one would). The run ends with a checkpoint.
     """
     run, first, scheduler = config.run, controller.first_step, controller.scheduler
     lines: dict[int, StepLine] = {}
-    step = 0
+    step = first
     while True:
         try:
             if step < run.num_steps:
@@ -253,14 +266,14 @@ def run_steps(config: JobConfig, controller: TrainController, recorder: StepReco
                 result = controller.group.train_step(step, scheduler, shard_timeout_s=run.shard_timeout_s)
                 if result is not None:
                     record = ray.get(scheduler.step_record.remote(step), timeout=60)
-                    line = dataclasses.replace(step_line(result, record), step=first + step)
+                    line = step_line(result, record)
                     if loop is not None:
-                        sync_s = loop.publish(controller.group, first + step + 1)
-                        line = dataclasses.replace(line, policy_version=first + step, weight_sync_s=sync_s,
+                        sync_s = loop.publish(controller.group, step + 1)
+                        line = dataclasses.replace(line, policy_version=step, weight_sync_s=sync_s,
                                                    sampled_reward=loop.drain_sampled_reward())
                     if metrics is not None:  # the dashboard's per-step gauges (jobs/job_metrics.py)
-                        metrics.on_step(step=first + step, num_rollouts=line.num_rollouts, reward=line.reward,
-                                        policy_version=None if loop is None else first + step + 1,
+                        metrics.on_step(step=step, num_rollouts=line.num_rollouts, reward=line.reward,
+                                        policy_version=None if loop is None else step + 1,
                                         weight_sync_s=line.weight_sync_s,
                                         trainer_idle_s=getattr(result, "shard_wait_s", None),
                                         staleness_mean=line.staleness_mean, staleness_max=line.staleness_max,
@@ -275,18 +288,18 @@ def run_steps(config: JobConfig, controller: TrainController, recorder: StepReco
                     if on_event is not None:
                         on_event("step_trained", step - 1, controller)
                     if run.checkpoint_every and step % run.checkpoint_every == 0:
-                        controller.checkpoint(first + step)
+                        controller.checkpoint(step)
                     continue
-                print(f"input ended after {step} steps", flush=True)
-            if step and controller.checkpointed_step != first + step:
-                controller.checkpoint(first + step)
+                print(f"input ended after {step - first} steps", flush=True)
+            if step != first and controller.checkpointed_step != step:
+                controller.checkpoint(step)
             return [lines[s] for s in sorted(lines)]
         except RECOVERABLE_ERRORS as error:
             step = controller.recover(error, step)
             for undone in [s for s in lines if s >= step]:
                 del lines[undone]
             if loop is not None:  # the engines go back to the restored weights
-                loop.publish(controller.group, first + step)
+                loop.publish(controller.group, step)
 
 
 def summarize(stats, trained: list[StepLine], elapsed_s: float, controller: TrainController | None = None) -> dict:

@@ -8,9 +8,15 @@
   no traceback, no ActorDiedError, no failed producer in the output.
 - Scheduler loss: the SchedulerActor killed mid-run: the job stops within a bounded time with a
   message saying what was lost (never hangs).
+- Producer loss: one AgenticProducer killed right after it pushed some siblings of a rollout but
+  not all: that rollout ends `incomplete_rollout` (its group's others `incomplete_group`), every
+  other rollout trains, the ledger check passes, the job ends cleanly.
+
+The job runs the synthetic producers (tests/resume_support.py). Resuming across a killed driver
+is tests/test_resume_killed_driver.py.
 
 Kills happen at events the job reports (`on_event`), never after sleeps racing the run.
-Slow: about two minutes in all.
+Slow: about three minutes in all.
 """
 
 from __future__ import annotations
@@ -23,16 +29,20 @@ import time
 import pytest
 import ray
 
+from actors.producers import PRODUCER_NAME
 from actors.scheduler_actor import DEFAULT_NAME
 from jobs.checkpoint import latest_checkpoint
 from jobs.job_config import load_job_config
 from jobs.recovery import SchedulerLostError
 from jobs.train import train
+from tests.resume_support import synthetic_producers
 
 pytestmark = pytest.mark.slow
 
-# 2 agents x 6 prompts x 2 rollouts + 2 dataset prompts x 2 = 28 rollouts: 7 full steps of 4.
+# 2 agents x 6 prompts x 2 rollouts + 2 dataset prompts x 2 = 28 rollouts, less any group whose two
+# rewards are equal (dropped as uniform: one such group with this seed): 7 steps of 4, the last partial.
 RUN = [
+    *synthetic_producers(),
     "producers.num_agents=2", "producers.prompts_per_agent=6", "producers.group_size=2",
     "producers.dataset_prompts=2", "producers.uniform_group_fraction=0", "producers.bad_rollout_fraction=0.5",
     "producers.max_delay_s=0.05", "scheduler.batch.global_batch_size=4", "run.num_steps=50",
@@ -42,7 +52,7 @@ RUN = [
 
 def names_free(num_agents: int = 2, timeout_s: float = 60.0) -> None:
     """Wait until the previous run's named actors are gone (the next run reuses the names)."""
-    names = [DEFAULT_NAME] + [f"vgbs-producer-from-step0-{i}" for i in range(num_agents)]
+    names = [DEFAULT_NAME] + [PRODUCER_NAME.format(i) for i in range(num_agents)]
     deadline = time.monotonic() + timeout_s
     for name in names:
         while True:
@@ -79,7 +89,8 @@ def ledger_trained(out) -> dict:
 
 def test_two_killed_train_ranks_are_recovered_and_every_rollout_trains_exactly_once(ray_session, tmp_path):
     clean, clean_history = run_job(tmp_path / "clean")
-    assert clean["recoveries"] == [] and clean["rollouts_trained"] == 28
+    total = 28 - clean["dropped_by_reason"].get("uniform_group_reward", 0)
+    assert clean["recoveries"] == [] and clean["rollouts_trained"] == total >= 24
 
     rng = random.Random(11)
     kills: list[dict] = []
@@ -120,14 +131,14 @@ def test_two_killed_train_ranks_are_recovered_and_every_rollout_trains_exactly_o
     assert second["steps_redone"] == second["failed_step"] - second["restored_step"] <= 1
     # Same rollouts as the run without faults, each in exactly one step of the final history.
     flat = [rid for ids in faulty_history for rid in ids]
-    assert len(flat) == len(set(flat)) == 28
+    assert len(flat) == len(set(flat)) == total
     assert set(flat) == {rid for ids in clean_history for rid in ids}
-    assert faulty["rollouts_trained"] == clean["rollouts_trained"] == 28
+    assert faulty["rollouts_trained"] == clean["rollouts_trained"] == total
     trained = ledger_trained(tmp_path / "faulty")  # train() already ran stats(check_ledger=True)
     assert trained == {str(rid): step for step, ids in enumerate(faulty_history) for rid in ids}
     assert faulty["rollouts_by_state"] == clean["rollouts_by_state"]
     # The LR schedule's consumed-rollout count came back with each checkpoint.
-    assert faulty["consumed_rollouts"] == clean["consumed_rollouts"] == 28
+    assert faulty["consumed_rollouts"] == clean["consumed_rollouts"] == total
     print("recoveries:", json.dumps(recoveries))
 
 
@@ -165,3 +176,47 @@ def test_a_killed_scheduler_stops_the_run_with_what_was_lost(ray_session, tmp_pa
     assert "step_000002" in message and "run.resume=true" in message
     assert stopped_after_s < 60, stopped_after_s  # detection is bounded: never a hang
     print(f"scheduler loss: stopped {stopped_after_s:.1f} s after the kill")
+
+
+def test_a_producer_killed_mid_rollout_leaves_that_rollout_incomplete_and_the_rest_trains(ray_session, tmp_path):
+    killed = {}
+
+    def kill_producer_mid_rollout(event, step, controller):
+        """Before the first step: hold producer 0 right after a push that sent only some siblings of a
+        rollout, then kill it there (the held rollout can never complete)."""
+        if event != "step_started" or killed:
+            return
+        producer = ray.get_actor(PRODUCER_NAME.format(0))
+        ray.get(producer.hold_at_next_partial_push.remote(), timeout=60)
+        deadline = time.monotonic() + 120
+        while not (held := ray.get(producer.holding.remote(), timeout=60)):
+            assert time.monotonic() < deadline, "producer 0 never pushed part of a rollout"
+            time.sleep(0.01)
+        killed["held"] = held
+        ray.kill(producer, no_restart=True)
+
+    # Every multi-sample rollout pushed sibling by sibling; no malformed ones (every incomplete
+    # rollout below is the kill's).
+    summary, history = run_job(tmp_path / "producer", on_event=kill_producer_mid_rollout, extra=[
+        "producers.prompts_per_agent=10", "producers.max_delay_s=0.3", "producers.bad_rollout_fraction=0",
+        "producers.sibling_push_fraction=1.0", "producers.rollouts.multi_sample_fraction=0.8"])
+
+    assert killed["held"], killed
+    assert summary["producers"]["failed"] == 1 and summary["producers"]["input_closed"]
+    with open(latest_checkpoint(str(tmp_path / "producer")) + "/ledger.json") as handle:
+        ledger = json.load(handle)["rollouts"]
+    # The killed producer's partly pushed rollouts end incomplete (reported), never trained.
+    for rid in killed["held"]:
+        assert ledger[rid] == ["dropped", None, "incomplete_rollout"], (rid, ledger.get(rid))
+    assert summary["dropped_by_reason"]["incomplete_rollout"] == len(killed["held"])
+    assert summary["incomplete_rollouts"] >= len(killed["held"])
+    # Everything the others produced trains (or is dropped by the uniform-reward filter).
+    others = {rid: state for rid, state in ledger.items() if not rid.startswith("agent0/")}
+    assert len(others) == 10 * 2 + 2 * 2
+    assert all(state[0] == "trained" or state[2] == "uniform_group_reward" for state in others.values()), others
+    # The final history trains each trained rollout once; train() ran the ledger check at the end.
+    flat = [rid for ids in history for rid in ids]
+    assert len(flat) == len(set(flat)) == summary["rollouts_trained"]
+    assert {rid for rid, state in ledger.items() if state[0] == "trained"} == set(flat)
+    print(f"producer killed holding {killed['held']}: {summary['dropped_by_reason']}, "
+          f"{summary['rollouts_trained']} rollouts trained")
