@@ -56,6 +56,8 @@ class ClosedLoop:
     """Engine loads not yet seen finished: (policy version, refs)."""
     load_times_s: list = field(default_factory=list)
     """Finished engine loads: (policy version, slowest engine's load time)."""
+    restored_versions: list = field(default_factory=list)
+    """Versions published again after a recovery restored the train group (`restore`)."""
 
     @classmethod
     def start(cls, config, scheduler, group, *, policy_version: int, first_step: int = 0,
@@ -102,6 +104,11 @@ class ClosedLoop:
         self.loads.append((policy_version, self.engines.update_weights(published)))
         self._collect_loads()
         return time.perf_counter() - started
+
+    def restore(self, group, policy_version: int) -> float:
+        """After a recovery: the engines go back to the restored weights (version = the restored step)."""
+        self.restored_versions.append(policy_version)
+        return self.publish(group, policy_version)
 
     def _collect_loads(self) -> None:
         """Record the engine loads that finished; never waits."""

@@ -1,0 +1,42 @@
+"""The closed loop survives a train-group failure: a TrainActor killed with a step in flight.
+
+The job (in this process, real engine, producers, scheduler and Megatron ranks) recovers the
+group from the latest checkpoint, rewinds the scheduler, and publishes the restored weights to
+the engines as the restored step's version; every step of the final history trained once, with
+its policy version equal to its step and staleness within the bound. The kill happens at an
+event the job reports (`on_event`), never after a sleep. Slow: about a minute.
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from jobs.job_config import load_job_config
+from jobs.progress import read_records
+from jobs.train import train
+
+pytestmark = pytest.mark.slow
+
+KILL_AT = 6
+CHECKPOINT_EVERY = 4
+
+
+def test_a_rank_killed_mid_step_is_recovered_and_the_engines_get_the_restored_weights(ray_session, tmp_path):
+    config = load_job_config(None, [f"run.output_dir={tmp_path}", "run.num_steps=10",
+                                    f"run.checkpoint_every={CHECKPOINT_EVERY}", "run.plot=false"])
+
+    def kill_a_rank(event, step, controller):
+        if event == "step_started" and step == KILL_AT and not controller.recoveries:
+            ray.kill(controller.group.actors[1])
+
+    summary = train(config, str(tmp_path / "steps.jsonl"), kill_a_rank)
+    assert [r["restored_step"] for r in summary["recoveries"]] == [CHECKPOINT_EVERY]
+    assert summary["closed_loop"]["restored_versions"] == [CHECKPOINT_EVERY]
+    assert summary["steps"] == 10 and summary["rollouts_by_state"]["trained"] == 10 * 64
+    records = read_records(tmp_path / "steps.jsonl")
+    final = {r["step"]: r for r in records}  # a replayed step's record comes after the undone one
+    assert sorted(final) == list(range(10))
+    assert all(r["policy_version"] == r["step"] and r["staleness_max"] <= 1 for r in final.values())
+    replayed = [r["step"] for r in records[CHECKPOINT_EVERY + 2:]]
+    assert replayed[:2] == [CHECKPOINT_EVERY, CHECKPOINT_EVERY + 1]  # steps 4, 5 trained again after the restore
