@@ -299,7 +299,7 @@ def run_steps(config: JobConfig, controller: TrainController, recorder: StepReco
             for undone in [s for s in lines if s >= step]:
                 del lines[undone]
             if loop is not None:  # the engines go back to the restored weights
-                loop.publish(controller.group, step)
+                loop.restore(controller.group, step)
 
 
 def summarize(stats, trained: list[StepLine], elapsed_s: float, controller: TrainController | None = None) -> dict:
@@ -340,6 +340,7 @@ def closed_loop_summary(trained: list[StepLine], reports: list, loop: ClosedLoop
         "weight_sync_s_mean": mean([line.weight_sync_s for line in trained]),
         "engine_load_s_mean": mean([seconds for _, seconds in loop.load_times_s]),
         "engine_idle_share": round(loop.engine_idle_share(), 3),
+        "restored_versions": loop.restored_versions,
         "producers": counts,
         "engine_wait_s": round(sum(r.engine_wait_s for r in reports), 2),
         "producer_idle_s": round(sum(r.idle_s for r in reports), 2),
