@@ -61,24 +61,29 @@ def test_local_job_trains_full_and_partial_steps_records_them_and_resumes(tmp_pa
     records = read_records(out / "steps.jsonl")
     assert len(step_lines(first.stdout)) == len(records) >= 3
     rollouts = [r["num_rollouts"] for r in records]
-    assert sum(rollouts) == 24  # every accepted rollout trained exactly once
+    summary = json.loads((out / "summary.json").read_text())
+    # Every well-formed rollout trained exactly once, but for a group whose two rollouts tied on
+    # reward by chance (the dynamic-sampling filter drops it: no signal).
+    assert sum(rollouts) + summary["dropped_by_reason"].get("uniform_group_reward", 0) == 24
+    assert sum(rollouts) >= 20
     assert all(n == GLOBAL_BATCH_SIZE for r, n in zip(records, rollouts) if not r["partial"])
     assert any(r["partial"] and r["num_rollouts"] < GLOBAL_BATCH_SIZE for r in records)
     assert [r["step"] for r in records] == list(range(len(records)))
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["rollouts_trained"] == 24 and summary["rollouts_per_step"] == rollouts
+    assert summary["rollouts_trained"] == sum(rollouts) and summary["rollouts_per_step"] == rollouts
     assert summary["rejected_samples_by_rule"].get("mask_length", 0) >= 1  # bad input rejected, training went on
     assert (out / "steps.png").stat().st_size > 10_000
     latest = (out / "checkpoints" / "latest").read_text().strip()
     assert latest == f"step_{len(records):06d}"
-    assert json.loads((out / "checkpoints" / latest / "ledger.json").read_text())["summary"]["rollouts_by_state"]["trained"] == 24
+    assert json.loads((out / "checkpoints" / latest / "ledger.json").read_text())["summary"]["rollouts_by_state"]["trained"] == sum(rollouts)
 
-    second = subprocess.run(job_command(out, "run.resume=true", "run.num_steps=2"), cwd=ROOT,
+    # Resume: run.num_steps counts the whole run's steps, and the producers continue at their saved
+    # cursors, which are past every prompt: nothing is left to train, nothing trains twice
+    # (tests/test_resume*.py resume runs cut short).
+    second = subprocess.run(job_command(out, "run.resume=true", f"run.num_steps={len(records) + 2}"), cwd=ROOT,
                             capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints' / latest} at step {len(records)}" in second.stdout
-    resumed = read_records(out / "steps.jsonl")
-    assert [r["step"] for r in resumed] == list(range(len(records) + 2))
+    assert read_records(out / "steps.jsonl") == records
 
 
 def free_port() -> int:
