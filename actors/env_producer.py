@@ -130,6 +130,7 @@ class EnvProducer:
         self._reward_sum, self._reward_count = 0.0, 0
         self._unreported = (0.0, 0)  # (sum, count) since the last `drain_rewards`
         self._running = False
+        self._finished = asyncio.Event()
 
     # -- the actor's API -----------------------------------------------------------------
 
@@ -141,15 +142,22 @@ class EnvProducer:
         workers = [asyncio.create_task(self._worker(i)) for i in range(self._config.groups_in_flight)]
         try:
             await asyncio.gather(*workers)
+        except BaseException:
+            # One worker failed (e.g. an engine died): the others stop too and abandon their groups,
+            # then the error goes to the caller (the job counts a failed producer).
+            self._stop.set()
+            await asyncio.gather(*workers, return_exceptions=True)
+            raise
         finally:
             self._running = False
+            self._finished.set()
         return self.report()
 
     async def stop(self) -> EnvProducerReport:
         """Stop: workers return at their next await; unpushed groups are abandoned (and the scheduler told)."""
         self._stop.set()
-        while self._running:
-            await asyncio.sleep(0.01)
+        if self._running:
+            await self._finished.wait()
         return self.report()
 
     def cursor(self) -> dict:
@@ -213,6 +221,14 @@ class EnvProducer:
         """One group from admission to push; False when stopped before it was pushed (abandoned)."""
         config = self._config
         group = EpisodeGroup(config.task, prompt, group_size=config.group_size)
+        try:
+            return await self._sample_and_push(prompt, from_dataset, group)
+        except BaseException:  # an engine or the scheduler failed: admitted rollouts must not hold room
+            self._abandon(prompt.prompt_id, group)
+            raise
+
+    async def _sample_and_push(self, prompt: Prompt, from_dataset: bool, group: EpisodeGroup) -> bool:
+        config = self._config
         known = await self._admit(prompt.prompt_id, group.rollout_ids)
         if known is None:
             return self._abandon(prompt.prompt_id, group)

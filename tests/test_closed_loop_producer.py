@@ -30,13 +30,17 @@ pytestmark = pytest.mark.slow  # Ray actors and a Ray Data stream: ~20 s
 class StandInEngine:
     """Answers every even-numbered request of a call right, the others wrong (one token, log-prob -0.5)."""
 
-    def __init__(self, policy_version: int):
+    def __init__(self, policy_version: int, fail_after_calls: int | None = None):
         self.policy_version = policy_version
+        self.calls, self.fail_after_calls = 0, fail_after_calls
         self.release = asyncio.Event()
         self.release.set()
         self.held = 0
 
     async def generate(self, prompts, sampling) -> list[Generation]:
+        self.calls += 1
+        if self.fail_after_calls is not None and self.calls > self.fail_after_calls:
+            raise RuntimeError("stand-in engine failure")
         if not self.release.is_set():
             self.held += 1
             await self.release.wait()
@@ -137,4 +141,17 @@ def test_stop_abandons_groups_in_flight_and_a_resumed_producer_pushes_each_promp
     assert second.rejected_samples == 0  # nothing the scheduler held was pushed again
     assert second.groups + first.groups == upto  # every prompt below `upto` pushed exactly once
     assert {rid.rsplit("-r", 1)[0] for rid in held_rollouts(scheduler)} == {f"s9-p{i}" for i in range(upto)}
+    ray.kill(actor)
+
+
+def test_an_engine_failure_fails_the_producer_after_its_other_groups_are_abandoned(scheduler):
+    engine = StandInEngine.remote(policy_version=0, fail_after_calls=10)
+    actor, run = start_env_producer(0, EnvProducerConfig(group_size=4, groups_in_flight=3), scheduler,
+                                    EngineClient([engine], ["stand-in"]), seed=3)
+    with pytest.raises(ray.exceptions.RayTaskError, match="stand-in engine failure"):
+        ray.get(run, timeout=120)
+    report = ray.get(actor.report.remote(), timeout=30)
+    assert report.stopped and report.in_flight == 0
+    assert report.abandoned_rollouts > 0 and report.abandoned_rollouts % 4 == 0  # whole groups
+    assert len(held_rollouts(scheduler)) == 4 * report.groups  # every pushed group whole, none in part
     ray.kill(actor)
