@@ -4,7 +4,7 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench
+.PHONY: setup demo demo-synthetic test bench
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -17,8 +17,11 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-demo: setup
+demo: setup  # the closed loop: vLLM engine, env producers, weight sync; the reward rises (~2 min on 2 cores)
 	$(PY) -m jobs.train
+
+demo-synthetic: setup  # synthetic producers instead of the closed loop (full and partial steps, ~20 s)
+	$(PY) -m jobs.train --set closed_loop.enabled=false
 
 test: setup
 	$(PY) -m pytest -q

@@ -77,7 +77,7 @@ class ClosedLoopConfig:
     enabled: bool = True
     """false: the synthetic producers of the `producers` section feed the scheduler instead (no engines),
     and the defaults become the synthetic run's (SYNTHETIC_DEFAULTS: gbs 8, 8 steps, checkpoint every 2,
-    on-policy ppo: synthetic samples carry no behaviour log-probs, vocabulary 128); keys you set still win."""
+    on-policy ppo: synthetic samples carry no behaviour log-probs, vocabulary 128, lr 1e-4); keys you set still win."""
     task: DigitTaskConfig = field(default_factory=DigitTaskConfig)
     """The verifiable task (rule, prompt lengths, reward per turn); its 16-token vocabulary is the model's."""
     engines: EngineConfig = field(default_factory=lambda: EngineConfig(num_engines=1, max_model_len=32))
@@ -197,7 +197,8 @@ SYNTHETIC_DEFAULTS = {
     "run": {"num_steps": 8, "checkpoint_every": 2},
     "scheduler": {"batch": {"global_batch_size": 8}},
     "train": {"loss": {"off_policy": {"max_staleness": 0, "policy_loss": "ppo"}},
-              "model": {"vocab_size": ModelConfig().vocab_size}},  # the synthetic rollouts' default vocabulary
+              "model": {"vocab_size": ModelConfig().vocab_size},  # the synthetic rollouts' default vocabulary
+              "optimizer": {"lr_schedule": {"lr": LRScheduleConfig().lr}}},
 }
 """The defaults that change with closed_loop.enabled=false: the synthetic run as it was before the
 closed loop (synthetic rollouts have no policy versions and no behaviour log-probs, their tokens

@@ -33,7 +33,8 @@ def test_closed_loop_off_switches_to_the_synthetic_defaults_and_explicit_keys_st
     assert config.scheduler.batch.global_batch_size == 8 and config.run.num_steps == 8
     assert config.train.loss.off_policy.policy_loss == "ppo" and config.train.loss.off_policy.max_staleness == 0
     assert config.scheduler_with_model_limits().max_staleness is None  # synthetic rollouts carry no versions
-    assert config.producers.rollouts.vocab_size == config.train.model.vocab_size
+    assert config.producers.rollouts.vocab_size == config.train.model.vocab_size == 128
+    assert config.train.optimizer.lr_schedule.lr == 1e-4
     mine = load_job_config(None, ["closed_loop.enabled=false", "scheduler.batch.global_batch_size=6"])
     assert mine.scheduler.batch.global_batch_size == 6
     # The closed loop hands the loss's bound to the scheduler.
