@@ -35,6 +35,8 @@ class StepLine:
     """Mean |trainer - engine| log-prob per response token (the trainer's proximal vs the behaviour log-probs)."""
     weight_sync_s: float | None = None
     """Trainer-side seconds to publish this step's weights (gather, convert, one object-store copy)."""
+    shard_wait_s: float | None = None
+    """Seconds the train group waited for this step's shards to be formed (trainer idle)."""
 
     def text(self) -> str:
         micro = "legacy" if self.microbatches_per_rank is None else str(self.microbatches_per_rank)
@@ -47,7 +49,8 @@ class StepLine:
             if self.staleness_max is not None:
                 line += f" stale {_fmt(self.staleness_mean, '.2f')}/{self.staleness_max}"
             line += (f" | sampled reward {_fmt(self.sampled_reward, '.3f')} | lp mismatch "
-                     f"{_fmt(self.log_prob_mismatch, '.1e')} | sync {_fmt(self.weight_sync_s, '.2f')} s")
+                     f"{_fmt(self.log_prob_mismatch, '.1e')} | sync {_fmt(self.weight_sync_s, '.2f')} s | "
+                     f"waited {_fmt(self.shard_wait_s, '.2f')} s")
         return line
 
 

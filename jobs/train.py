@@ -152,7 +152,7 @@ def step_line(result, record) -> StepLine:
         step_time_s=result.step_time_s, lr=result.lr, layout=record.layout, partial=record.partial,
         # The scheduler's staleness figures, where its records carry them.
         staleness_mean=getattr(record, "staleness_mean", None), staleness_max=getattr(record, "staleness_max", None),
-        log_prob_mismatch=result.metrics.get("log_prob_mismatch"),
+        log_prob_mismatch=result.metrics.get("log_prob_mismatch"), shard_wait_s=getattr(result, "shard_wait_s", None),
     )
 
 
@@ -275,7 +275,7 @@ def run_steps(config: JobConfig, controller: TrainController, recorder: StepReco
                         metrics.on_step(step=step, num_rollouts=line.num_rollouts, reward=line.reward,
                                         policy_version=None if loop is None else step + 1,
                                         weight_sync_s=line.weight_sync_s,
-                                        trainer_idle_s=getattr(result, "shard_wait_s", None),
+                                        trainer_idle_s=line.shard_wait_s,
                                         staleness_mean=line.staleness_mean, staleness_max=line.staleness_max,
                                         log_prob_mismatch=line.log_prob_mismatch)
                         if loop is not None and step % 10 == 0:
@@ -338,6 +338,7 @@ def closed_loop_summary(trained: list[StepLine], reports: list, loop: ClosedLoop
         "staleness_mean": mean([line.staleness_mean for line in trained]),
         "staleness_max": max((line.staleness_max for line in trained if line.staleness_max is not None), default=None),
         "weight_sync_s_mean": mean([line.weight_sync_s for line in trained]),
+        "trainer_wait_s_total": round(sum(line.shard_wait_s or 0.0 for line in trained), 2),
         "engine_load_s_mean": mean([seconds for _, seconds in loop.load_times_s]),
         "engine_idle_share": round(loop.engine_idle_share(), 3),
         "restored_versions": loop.restored_versions,

@@ -15,11 +15,12 @@ def test_synthetic_line_has_no_closed_loop_fields():
 
 def test_closed_loop_line_shows_version_staleness_sampled_reward_mismatch_and_sync():
     line = StepLine(**BASE, policy_version=3, staleness_mean=0.75, staleness_max=1, sampled_reward=0.62,
-                    log_prob_mismatch=2.5e-3, weight_sync_s=0.012)
-    assert line.text().endswith("| v3 stale 0.75/1 | sampled reward 0.620 | lp mismatch 2.5e-03 | sync 0.01 s")
+                    log_prob_mismatch=2.5e-3, weight_sync_s=0.012, shard_wait_s=0.5)
+    assert line.text().endswith("| v3 stale 0.75/1 | sampled reward 0.620 | lp mismatch 2.5e-03 | sync 0.01 s | "
+                                "waited 0.50 s")
     nothing_pushed = StepLine(**BASE, policy_version=4, staleness_mean=None, staleness_max=None, sampled_reward=None,
                               log_prob_mismatch=float("nan"), weight_sync_s=0.01)
-    assert nothing_pushed.text().endswith("| v4 | sampled reward - | lp mismatch - | sync 0.01 s")
+    assert nothing_pushed.text().endswith("| v4 | sampled reward - | lp mismatch - | sync 0.01 s | waited - s")
 
 
 def test_records_round_trip_and_plot_with_and_without_staleness(tmp_path):
