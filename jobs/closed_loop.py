@@ -1,8 +1,9 @@
 """The job's closed loop: rollout engines on the policy's weights, env producers sampling them, weight sync.
 
-    loop = ClosedLoop.start(config, scheduler, group, policy_version=0, run_tag="from-step0")
+    loop = ClosedLoop.start(config, scheduler, group, policy_version=0, first_step=0, cursors=None)
     loop.producers                     # (actor, run ref) pairs, like the synthetic producers'
     sync_s = loop.publish(group, v)    # after the v-th optimizer step: export once, engines load async
+    loop.restore(group, k)             # after a recovery restored step k's weights: engines go back to v = k
     loop.drain_sampled_reward()        # mean reward of the rollouts pushed since the last call
     loop.shutdown()                    # after the producers stopped
 
@@ -42,7 +43,7 @@ DATASET_STREAM = 99
 def stream_seed(seed: int, stream: int, first_step: int = 0) -> int:
     """The prompt-stream seed of producer `stream` (or DATASET_STREAM): distinct per producer, and a
     fresh stream after a resume from step `first_step` unless a saved cursor says where to continue."""
-    return seed * 1_000_000 + first_step * 1_000 + stream
+    return (seed * 1_000_000_000 + first_step) * 1_000 + stream
 
 
 @dataclass
