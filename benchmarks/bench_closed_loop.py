@@ -17,7 +17,10 @@ share over the whole run):
 - mean staleness of the trained rollouts (versions behind the step's);
 - second-turn share: rollouts that needed a second turn (the long ones) among every rollout the
   producers pushed (filtered groups included) and among the trained ones (whole run);
-- the sampled reward's mean over the last 10 steps.
+- the sampled reward's mean over the last 10 steps, and the step at which its 10-step mean first
+  reached 0.8 (None within 30 steps: pass `--steps 120` for the learning curve);
+- admission refusals, seconds per step, the trainer's summed shard waits and the step loop's
+  wall time, over the whole run.
 Wall times depend on the machine's load: the header prints it (uptime) before and after.
 """
 
@@ -37,6 +40,12 @@ from jobs.job_config import load_job_config  # noqa: E402
 from jobs.train import init_ray, train  # noqa: E402
 
 LOSS = {0: "ppo"}  # decoupled_ppo otherwise
+TARGET, WINDOW = 0.8, 10
+
+
+def mean(values) -> float:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else float("nan")
 
 
 def load_average() -> str:
@@ -63,8 +72,10 @@ def run(max_staleness: int, steps: int, warm_up: int) -> dict:
     summary = train(config, os.path.join(out, "steps.jsonl"), on_event)
     from jobs.progress import read_records
 
-    records = [r for r in read_records(os.path.join(out, "steps.jsonl")) if r["step"] >= warm_up]
+    every = read_records(os.path.join(out, "steps.jsonl"))
+    records = [r for r in every if r["step"] >= warm_up]
     loop = summary["closed_loop"]
+    sampled = [r["sampled_reward"] for r in every]
     wall_s = ended_at[steps - 1] - ended_at[warm_up - 1]
     finished = loop["finished_rollouts"] - at_warm_up["finished"]
     return {
@@ -76,9 +87,14 @@ def run(max_staleness: int, steps: int, warm_up: int) -> dict:
         "stale drops / finished": f"{loop['stale_dropped_rollouts'] - at_warm_up['stale']}/{finished}",
         "mean staleness": sum(r["staleness_mean"] * r["num_rollouts"] for r in records)
         / sum(r["num_rollouts"] for r in records),
-        "2nd-turn share pushed (run)": loop["second_turn_share_finished"],
+        "2nd-turn share pushed (run)": loop["second_turn_share_pushed"],
         "2nd-turn share trained (run)": loop["second_turn_share_trained"],
         "sampled reward, last 10": loop["sampled_reward_last10"],
+        f"steps to sampled {TARGET}": next((i + 1 for i in range(WINDOW - 1, len(sampled))
+                                             if mean(sampled[i - WINDOW + 1:i + 1]) >= TARGET), None),
+        "admission refusals (run)": loop["producers"]["not_admitted"],
+        "s per step (run)": summary["elapsed_s"] / len(every),
+        "trainer waited s (run)": loop["trainer_wait_s_total"],
         "step loop s (run)": summary["elapsed_s"],
     }
 

@@ -219,7 +219,8 @@ def train(config: JobConfig, records_path: str, on_event=None) -> dict:
         stats = ray.get(scheduler.stats.remote(check_ledger=True), timeout=60)
         summary = {**summarize(stats, trained, elapsed, controller), "producers": close_input.outcome()}
         if loop is not None:
-            summary["closed_loop"] = closed_loop_summary(trained, close_input.reports, loop)
+            summary["closed_loop"] = closed_loop_summary(trained, close_input.reports, loop, stats=stats,
+                                                           elapsed_s=elapsed, config=config)
         return summary
     finally:
         if producers:  # a failed run: stop them before the scheduler goes
@@ -321,8 +322,11 @@ def summarize(stats, trained: list[StepLine], elapsed_s: float, controller: Trai
     }
 
 
-def closed_loop_summary(trained: list[StepLine], reports: list, loop: ClosedLoop) -> dict:
-    """The closed loop's part of the summary: reward curve ends, staleness, sync times, producer counts."""
+def closed_loop_summary(trained: list[StepLine], reports: list, loop: ClosedLoop, *, stats=None,
+                        elapsed_s: float | None = None, config: JobConfig | None = None) -> dict:
+    """The closed loop's part of the summary: reward curve ends, staleness, sync times, producer counts,
+    and how the overlap went (`overlap_summary`, when the scheduler's `stats`, the step loop's
+    `elapsed_s` and the job's `config` are given)."""
     def mean(values):
         values = [v for v in values if v is not None and v == v]
         return round(sum(values) / len(values), 4) if values else None
@@ -345,6 +349,41 @@ def closed_loop_summary(trained: list[StepLine], reports: list, loop: ClosedLoop
         "producers": counts,
         "engine_wait_s": round(sum(r.engine_wait_s for r in reports), 2),
         "producer_idle_s": round(sum(r.idle_s for r in reports), 2),
+        **(overlap_summary(trained, counts, stats, elapsed_s, config) if stats is not None else {}),
+    }
+
+
+def overlap_summary(trained: list[StepLine], counts: dict, stats, elapsed_s: float | None,
+                    config: JobConfig | None) -> dict:
+    """Did sampling overlap training, and at what cost (shares are fractions in [0, 1]):
+
+    - trainer_idle_share: the train group's summed shard waits over the step loop's wall time;
+    - finished_rollouts: rollouts the scheduler accepted whole (trained, dropped for any reason
+      or still buffered; `incomplete_rollout` drops excluded); stale_drop_share: the ones dropped
+      as too stale (`stale`) over them;
+    - second_turn_share_pushed / _trained: the share of rollouts that needed a second turn (the
+      long ones: with `closed_loop.one_sample_per_turn` such a rollout is 2 samples, so the count is
+      samples - rollouts) among every rollout the producers pushed (filtered groups included) and
+      among the trained ones; None unless the task has exactly 2 turns and one sample per turn.
+    """
+    drops = stats.ledger.dropped_by_reason
+    finished = stats.ledger.num_rollouts_accepted - drops.get("incomplete_rollout", 0)
+    wait_s = sum(line.shard_wait_s or 0.0 for line in trained)
+    counted = (config is not None and config.closed_loop.one_sample_per_turn
+               and len(config.closed_loop.task.turn_rewards) == 2)
+    trained_rollouts = sum(line.num_rollouts for line in trained)
+
+    def second_turn_share(rollouts: int, samples: int) -> float | None:
+        return round((samples - rollouts) / rollouts, 4) if counted and rollouts else None
+
+    return {
+        "trainer_idle_share": round(wait_s / elapsed_s, 3) if elapsed_s else None,
+        "finished_rollouts": finished,
+        "stale_dropped_rollouts": drops.get("stale", 0),
+        "stale_drop_share": round(drops.get("stale", 0) / finished, 4) if finished else None,
+        "second_turn_share_pushed": second_turn_share(counts["rollouts"], counts["samples"]),
+        "second_turn_share_trained": second_turn_share(trained_rollouts,
+                                                       sum(line.num_samples for line in trained)),
     }
 
 
