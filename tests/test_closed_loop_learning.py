@@ -4,9 +4,9 @@ takes a from-scratch tiny Llama from near chance to a mean reward >= 0.8 on the 
 Real everything: in-process Ray, a vLLM CPU engine sampling the policy, two EnvProducers (one
 also reading a Ray Data prompt stream), the SchedulerActor with staleness admission and
 dynamic sampling, Megatron TrainActors (dp=2, decoupled PPO), weight sync after every step.
-Seeded; measured on 2 shared cores (README, Demo): the 10-step mean of the sampled reward first
-reaches 0.8 at step 62-74 of 120 and ends at 0.96-0.98, from 0.14-0.17 over the first 10 steps
-(chance: 0.09). Slow: about 2 minutes each.
+Seeded; measured on 2 shared cores (README, Demo; benchmarks/bench_closed_loop.py): over seven
+runs the 10-step mean of the sampled reward first reached 0.8 at step 62-78 of 120 and ended at
+0.96-1.00, from 0.14-0.22 over the first 10 steps (chance: 0.09). Slow: 2-3 minutes each.
 
 The reward asserted is the sampled one (every rollout the producers pushed, groups the filter
 dropped included: the policy's own reward); the trained reward excludes all-correct groups.
