@@ -54,7 +54,10 @@ def test_the_demo_configuration_learns_the_digit_task_from_chance(tmp_path, max_
     sampled = [r["sampled_reward"] for r in records]
     first, last = mean(sampled[:WINDOW]), mean(sampled[-WINDOW:])
     curve = " ".join(f"{mean(sampled[i:i + WINDOW]):.2f}" for i in range(0, len(sampled), WINDOW))
-    assert first < 0.3, f"the first {WINDOW} steps should be near chance (0.09); 10-step means: {curve}"
+    # Step 0's sampled reward is the initial policy's alone (every rollout pushed before version 1
+    # existed): chance, 0.08-0.09 measured. The first 10 steps already learn a little (0.14-0.22).
+    assert sampled[0] < 0.2, f"the initial policy should be at chance (0.09), got {sampled[0]:.2f}"
+    assert first < 0.35, f"the first {WINDOW} steps should be near chance; 10-step means: {curve}"
     assert last >= 0.8, f"mean sampled reward {last:.2f} over the last {WINDOW} steps; 10-step means: {curve}"
     assert last >= first + 0.3, curve
 
