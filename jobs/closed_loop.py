@@ -10,7 +10,9 @@
 Start-up: the train group's initial weights (or the restored ones) are exported once as a
 Hugging Face Llama directory under `<output_dir>/policy_init` (what vLLM loads), the engines
 start from it at `policy_version`, then `num_producers` EnvProducers start, one of them also
-reading `dataset_prompts` prompt rows from a Ray Data dataset.
+reading `dataset_prompts` prompt rows from a Ray Data dataset. Producers resume at their saved
+cursors; the dataset does not: a (re)started run reads a fresh dataset stream (its seed mixes in
+the step the run starts at), so dataset prompts unanswered when a run stopped are not sent again.
 
 `publish(group, v)` is the per-step weight sync: `publish_weights` (the train group's gather
 and one copy into the object store; this is the time the trainer spends) and
