@@ -16,7 +16,7 @@ What is asserted, and why none of it races:
   only once step k trained and was published, so the step is formed a weight load, an admission
   retry (50 ms) and a whole generation round (both turns) after the publish, while the trainer
   asks for it a few local calls after it. At 1 the next step's rollouts are sampled while the
-  current one trains, so some steps are ready when asked (measured: 4 of 14 here, 10 of 25 at
+  current one trains, so some steps are ready when asked (measured: 3-4 of 14 here, 10-11 of 25 at
   the demo's gbs 64 in bench_closed_loop.py). The assertion compares counts, not clocks; the
   summed shard waits (`shard_wait_s`) are printed, not asserted: on the shared 2-core machine
   two runs measured 2.88 vs 2.73 s and 3.45 vs 1.37 s (max_staleness 0 vs 1, steps 2..15).
@@ -26,7 +26,7 @@ What is asserted, and why none of it races:
   control starts a group only if it can still be trained in time); the engines' idle share and
   the trainer's idle share are fractions in [0, 1].
 
-Slow: two jobs of 16 steps, 3 minutes on the 2-core machine at load average 13-16.
+Slow: two jobs of 16 steps; measured 177 s and 192 s on the shared 2-core machine at load average 13-16 and 25-32.
 """
 
 from __future__ import annotations
