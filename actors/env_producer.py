@@ -8,8 +8,8 @@
 `EnvProducer` is an asyncio actor (`num_cpus=0`: it only awaits) with `groups_in_flight`
 workers. Each worker loops: take a prompt (a Ray Data row if this producer was given a
 dataset, else the next prompt of its own `PromptGenerator`), ask the scheduler to admit the
-group's rollout ids at the engines' current policy version (`admit`, when the scheduler has it;
-not admitted: wait and ask again), run the group's episodes turn by turn (one batched
+group's rollout ids at the engines' current policy version (`admit`: ids the scheduler already
+holds after a resume are skipped; not admitted: wait and ask again), run the group's episodes turn by turn (one batched
 `generate` per turn for the group's live episodes; every Generation carries its policy version
 and behaviour log-probs), and push the group's samples (`EpisodeGroup.to_samples`) in one
 `submit`, resubmitting what was deferred after `retry_after_s`. Uniform-reward groups are pushed
@@ -118,8 +118,6 @@ class EnvProducer:
         self._in_flight: dict[str, tuple[Prompt, bool]] = {}  # prompt id -> (prompt, from the dataset)
         self._unpushed: dict[str, int] = {}  # generator prompts drawn, not pushed (abandoned ones too): id -> index
         self._admitted: dict[str, list[str]] = {}  # prompt id -> rollout ids admitted, not yet pushed
-        self._has_admission = _has_method(scheduler, "admit")
-        self._has_abandon = _has_method(scheduler, "abandon")
         self._stop = asyncio.Event()
         self._dataset = dataset
         self._dataset_rows: asyncio.Queue | None = None
@@ -268,12 +266,10 @@ class EnvProducer:
     async def _admit(self, prompt_id: str, rollout_ids: list[str]) -> frozenset | None:
         """Wait until the scheduler admits the group at the engines' version; returns the ids the
         scheduler already holds (pushed before a resume), or None if stopped first."""
-        if not self._has_admission:  # a scheduler without admission control: backpressure on submit only
-            return None if self._stop.is_set() else frozenset()
         while not self._stop.is_set():
             decision = await self._scheduler.admit.remote(rollout_ids, await self._engine_version())
             if decision.admit:
-                known = frozenset(getattr(decision, "known", ()))
+                known = frozenset(decision.known)
                 self._admitted[prompt_id] = [rid for rid in rollout_ids if rid not in known]
                 return known
             self._counts["not_admitted"] += 1
@@ -309,7 +305,7 @@ class EnvProducer:
     def _abandon(self, prompt_id: str, group: EpisodeGroup) -> bool:
         self._counts["abandoned_rollouts"] += len(group.rollout_ids)
         admitted = self._admitted.pop(prompt_id, None)
-        if admitted and self._has_abandon:
+        if admitted:
             self._scheduler.abandon.remote(admitted)  # fire and forget: the scheduler may be going away too
         return False
 
@@ -333,14 +329,6 @@ class EnvProducer:
     def _end_dataset(self) -> None:
         self._dataset_done = True
         self._dataset_rows.put_nowait(None)
-
-
-def _has_method(handle, name: str) -> bool:
-    try:
-        getattr(handle, name)
-    except AttributeError:
-        return False
-    return True
 
 
 def _with_seed(sampling: SamplingConfig, seed: int) -> SamplingConfig:

@@ -151,8 +151,8 @@ def step_line(result, record) -> StepLine:
         loss=result.metrics.get("loss", float("nan")), reward=result.metrics.get("reward", float("nan")),
         step_time_s=result.step_time_s, lr=result.lr, layout=record.layout, partial=record.partial,
         # The scheduler's staleness figures, where its records carry them.
-        staleness_mean=getattr(record, "staleness_mean", None), staleness_max=getattr(record, "staleness_max", None),
-        log_prob_mismatch=result.metrics.get("log_prob_mismatch"), shard_wait_s=getattr(result, "shard_wait_s", None),
+        staleness_mean=record.staleness_mean, staleness_max=record.staleness_max,
+        log_prob_mismatch=result.metrics.get("log_prob_mismatch"), shard_wait_s=result.shard_wait_s,
     )
 
 
