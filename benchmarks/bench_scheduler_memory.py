@@ -11,7 +11,24 @@ growth per rollout between checkpoints: what a run keeps per trained rollout (go
 bytes). It reads RssAnon, the process's private memory, after glibc's malloc_trim (heap pages freed
 by a million short-lived samples otherwise stay mapped; the untrimmed figure is printed too): VmRSS also counts the pages of the shared
 object store that the process has written shards into, which grow to the store's size and say
-nothing about what the scheduler keeps (both are printed).
+nothing about what the scheduler keeps (both are printed). The last two columns say where the private
+memory is: CPython's small-object allocator (1 MiB arenas mapped, bytes of live blocks in them) and
+glibc malloc (bytes in use, free bytes it still holds).
+
+What the growth is (2026-11-30, 2 loaded cores; see the README's figures): the scheduler keeps the
+settled table per rollout and nothing else. The same RolloutIntake/Ledger loop run in one process
+without Ray (same rows, 100k -> 300k) grows by 33.5 bytes per rollout, the table's 33.0; tracemalloc
+puts all of it in SettledIds' arrays. In the actor, the gc-tracked object count, pymalloc's live
+blocks and Ray's reference table (8 entries: the current step's shards) stay flat; what grows is
+pymalloc arenas whose pools are free but cannot be returned because a few live blocks remain in
+each (mostly the 64-byte class: rollout ids, tuples, lists of the pushes' short-lived samples), and
+with PYTHONMALLOC=malloc the same shows up as glibc free chunks that malloc_trim cannot release.
+It is fragmentation of memory already freed, not objects kept: it grows with the push size (200,
+500, 1000 samples per push: ~20, ~60, ~220 bytes per rollout above the table over 40k -> 200k) and
+varies with load. Ruled out by experiment (40k -> 200k, bytes/rollout above the ~33 of the table,
+1000-sample pushes): MALLOC_ARENA_MAX=2, a fixed MALLOC_MMAP_THRESHOLD_, putting one tiny object per
+rank instead of the shards, no layout at all, step_record_window=1, default GC thresholds, retrying
+a waiting push with its already-read Samples: all within the run-to-run spread (140-250).
 """
 
 from __future__ import annotations
@@ -34,7 +51,7 @@ BATCH = 1000
 GBS = 5000
 DP_SIZE = 8
 MAX_BUFFERED = 4 * GBS
-CHECKPOINTS = (10_000, 100_000, 1_000_000)
+CHECKPOINTS = (10_000, 100_000, 300_000, 1_000_000)
 TIMEOUT_S = 600
 
 
@@ -57,6 +74,37 @@ class Consumer:
 def _trim_heap(actor) -> None:
     """Give freed heap pages back to the OS (glibc), so RSS shows what is held, not what was churned."""
     ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _allocator_stats(actor) -> tuple[int, int, int, int]:
+    """(pymalloc arena bytes, pymalloc bytes in live blocks, glibc bytes in use, glibc free bytes held)
+    in the actor's process: sys._debugmallocstats (it writes to fd 2, read back from a temp file) and
+    glibc's mallinfo2 (all arenas; mmapped chunks count as in use)."""
+    import re
+    import sys
+    import tempfile
+    with tempfile.TemporaryFile() as out:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(out.fileno(), 2)
+        try:
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        out.seek(0)
+        text = out.read().decode()
+    arenas = int(re.search(r"# arenas allocated current\s*=\s*([\d,]+)", text).group(1).replace(",", ""))
+    live = int(re.search(r"# bytes in allocated blocks\s*=\s*([\d,]+)", text).group(1).replace(",", ""))
+    class MallInfo2(ctypes.Structure):  # defined here: the function is shipped to the actor, ctypes classes do not pickle
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    # arenas are 1 MiB (CPython 3.10+ on 64-bit)
+    return arenas << 20, live, info.uordblks + info.hblkhd, info.fordblks
 
 
 def rss_bytes(pid: int, field: str = "RssAnon") -> int:
@@ -88,7 +136,8 @@ def main() -> None:
         tokens = rng.integers(0, 1000, TOKENS, dtype=np.int64)
         mask = np.ones(TOKENS // 2, dtype=np.int8)
         print(f"{'rollouts':>10} {'private MiB':>12} {'bytes/rollout since last':>26} {'settled-table bytes/rollout':>28} "
-              f"{'untrimmed MiB':>14} {'VmRSS MiB':>10} {'push s':>7}")
+              f"{'untrimmed MiB':>14} {'VmRSS MiB':>10} {'pymalloc arenas/live MiB':>25} {'malloc used/free MiB':>21} "
+              f"{'push s':>7}")
         pushed, last_rss, last_count, start = 0, rss_bytes(pid), 0, time.perf_counter()
         for checkpoint in checkpoints:
             in_flight = []
@@ -109,9 +158,11 @@ def main() -> None:
             ray.get(scheduler.__ray_call__.remote(_trim_heap), timeout=TIMEOUT_S)
             rss = rss_bytes(pid)
             table = ray.get(scheduler.__ray_call__.remote(lambda self: self.ledger.settled_nbytes()), timeout=TIMEOUT_S)
+            arenas, live, used, free = ray.get(scheduler.__ray_call__.remote(_allocator_stats), timeout=TIMEOUT_S)
             trained = stats.ledger.rollouts_by_state["trained"]
             print(f"{pushed:>10} {rss / 2**20:>12.1f} {(rss - last_rss) / (pushed - last_count):>26.1f} "
                   f"{table / max(trained, 1):>28.1f} {untrimmed / 2**20:>14.1f} {rss_bytes(pid, 'VmRSS') / 2**20:>10.1f} "
+                  f"{f'{arenas / 2**20:.1f} / {live / 2**20:.1f}':>25} {f'{used / 2**20:.1f} / {free / 2**20:.1f}':>21} "
                   f"{time.perf_counter() - start:>7.0f}", flush=True)
             last_rss, last_count = rss, pushed
         print("goal: growth per rollout of a few tens of bytes (the settled table, plus noise of the allocator)")
