@@ -29,8 +29,8 @@ varies with load. Ruled out by experiment (40k -> 200k, bytes/rollout above the 
 1000-sample pushes): MALLOC_ARENA_MAX=2, a fixed MALLOC_MMAP_THRESHOLD_, putting one tiny object per
 rank instead of the shards, no layout at all, step_record_window=1, default GC thresholds, retrying
 a waiting push with its already-read Samples: all within the run-to-run spread (140-250).
-It is a high-water mark, not a rate: in a run to 2M (same pushes) pymalloc held 58 arenas at 1M and
-59 at 2M, and the private memory grew 48 bytes per rollout from 1M to 2M (the table: 34).
+It is a high-water mark, not a rate: in two runs to 2M (same pushes) pymalloc held 58 arenas at 1M
+and 58-59 at 2M, and the private memory grew 48 and 40 bytes per rollout from 1M to 2M (table: 34).
 """
 
 from __future__ import annotations
