@@ -394,13 +394,6 @@ class SchedulerActor:
                 dropped_by_reason=settled.counts()[1], accepted_samples=self._accepted,
                 rejected_samples=self._rejected)
 
-    async def known_rollouts(self, rollout_ids: Sequence) -> list[bool]:
-        """For each id: does the scheduler hold it (buffered, partly received, in a step, trained or
-        dropped)? A resumed producer skips the ones that are known; a rollout none of whose samples
-        was accepted is not known. O(1) per id."""
-        self._start()
-        return [self.ledger.get(rid) is not None for rid in rollout_ids]
-
     # -- admission control (staleness) -------------------------------------------------------
     async def admit(self, rollout_ids: Sequence, engine_version: int) -> Admission:
         """May a producer start these rollouts (a GRPO group: all or none) with an engine at policy

@@ -111,11 +111,11 @@ def test_export_then_restore_resumes_with_global_steps_and_exactly_once(schedule
     assert call(old.stats, include_rollouts=True).rollout_states == before.rollout_states  # export changed nothing
     buffered = [f"e{i}" for i in range(7) if f"e{i}" not in {*trained[0], *trained[1], *in_flight}]
     assert state.untrained_rollout_ids[:2] == in_flight and state.untrained_rollout_ids[2:] == buffered
-    assert call(old.known_rollouts, ["e0", "half", "never"]) == [True, True, False]
+    assert call(old.admit, ["e0", "half", "never"], 0).known == ("e0", "half")  # what a resumed producer skips
     ray.kill(old)
 
     new = schedulers("sched-restored", restore=pickle.loads(pickle.dumps(state)))
-    assert call(new.known_rollouts, [*trained[0], "half", "never"]) == [True, True, True, False]
+    assert call(new.admit, [*trained[0], "half", "never"], 0).known == (*trained[0], "half")
     result = call(new.submit, rollout_rows(trained[0][0], 1) + rollout_rows(in_flight[0], 1) + rollout_rows("half", 2)[:1])
     assert [(r.rollout_id, r.rule) for r in result.rejected] == [
         (trained[0][0], "already_scheduled"), (in_flight[0], "already_complete"), ("half", "duplicate_sample")]
