@@ -141,10 +141,6 @@ class ClosedLoop:
         total = sum(u.busy_s + u.idle_s for u in usage)
         return sum(u.idle_s for u in usage) / total if total > 0 else 0.0
 
-    def cursors(self) -> list[dict]:
-        """Each producer's resume cursor (for checkpoints)."""
-        return ray.get([actor.cursor.remote() for actor, _ in self.producers], timeout=60)
-
     def shutdown(self) -> None:
         for actor, _ in self.producers:
             ray.kill(actor)
