@@ -114,6 +114,19 @@ class Ledger:
         state, step, reason = settled
         return LedgerEntry(RolloutState(state), step=step, reason=reason)
 
+    def get_many(self, rollout_ids: Iterable[Hashable]) -> dict[Hashable, LedgerEntry]:
+        """`get` for many ids (one push's): {id: entry} for those the ledger knows."""
+        found, unknown = {}, []
+        for rid in rollout_ids:
+            entry = self._live.get(rid)
+            if entry is not None:
+                found[rid] = entry
+            else:
+                unknown.append(rid)
+        for rid, (state, step, reason) in self._settled.get_many(unknown).items():
+            found[rid] = LedgerEntry(RolloutState(state), step=step, reason=reason)
+        return found
+
     def state(self, rollout_id: Hashable) -> RolloutState | None:
         entry = self.get(rollout_id)
         return None if entry is None else entry.state
@@ -138,8 +151,7 @@ class Ledger:
                               "a checkpoint can only hold trained steps")
         table = self._settled.copy()
         for step in sorted(s for s in self._unsettled_steps if s < next_step):
-            for rid in self._unsettled_steps[step]:
-                table.add(rid, step=step)
+            table.add_many(self._unsettled_steps[step], step=step)
         return table
 
     @classmethod
@@ -214,9 +226,9 @@ class Ledger:
                 raise LedgerError(f"rollout {rid!r}: expected scheduled in step {step}, is {old}")
         del self._pending_steps[step]
         if settle:
+            self._settled.add_many(ids, step=step)
             for rid in ids:
                 del self._live[rid]
-                self._settled.add(rid, step=step)
         else:
             trained = LedgerEntry(RolloutState.TRAINED, step=step)
             for rid in ids:
@@ -229,9 +241,10 @@ class Ledger:
     def settle_through(self, next_step: int) -> None:
         """A checkpoint holds every step < `next_step`: their trained rollouts settle for good."""
         for step in sorted(s for s in self._unsettled_steps if s < next_step):
-            for rid in self._unsettled_steps.pop(step):
+            ids = self._unsettled_steps.pop(step)
+            self._settled.add_many(ids, step=step)
+            for rid in ids:
                 del self._live[rid]
-                self._settled.add(rid, step=step)
 
     def rewind(self, next_step: int) -> list[tuple]:
         """Steps >= `next_step` did not happen (the train group restored an older checkpoint).
