@@ -45,7 +45,7 @@ import time
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import ray
 
@@ -77,6 +77,7 @@ __all__ = [
 
 DEFAULT_NAME = "vgbs-scheduler"
 MAX_DATASET_ERRORS = 100
+GAUGE_REFRESH_S = 1.0
 
 # CPython's cyclic GC thresholds for the scheduler's own worker process (see below).
 _GC_THRESHOLDS = (50_000, 20, 100)
@@ -174,6 +175,7 @@ class SchedulerActor:
         self._changed: _Signal | None = None     # any change the emitter or a waiting submit cares about
         self._published: _Signal | None = None   # a step was published, the stream ended, or a failure
         self._emitter: asyncio.Task | None = None
+        self._gauge_refresher: asyncio.Task | None = None
         self._acting: asyncio.Lock | None = None       # held by the emitter while it carries out an action, and by rewind
         self._layout_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-layout")
         # Staleness (config.max_staleness): the window's steps_formed is the step counter (step k
@@ -220,6 +222,7 @@ class SchedulerActor:
             self._changed, self._published = _Signal(), _Signal()
             self._acting = asyncio.Lock()
             self._emitter = asyncio.get_running_loop().create_task(self._emit_loop())
+            self._gauge_refresher = asyncio.get_running_loop().create_task(self._refresh_gauges_loop())
 
     # -- train side ------------------------------------------------------------------
     async def register_train_group(self, parallel: ParallelConfig, advertise_layout: bool = True) -> SchedulingDecision:
@@ -271,9 +274,15 @@ class SchedulerActor:
             await self._published.wait(remaining)
 
     async def ack_step(self, step: int, rank: int, metrics: dict[str, tuple[float, float]] | None = None) -> bool:
-        """DP rank `rank` trained `step`, with its `(sum, count)` metric pairs (the only way metrics
-        travel: no collective carries them). Returns True when this ack completes the step: its
-        shards are released and the pairs of all ranks are reduced into the step's record.
+        """DP rank `rank` trained `step`, with its `(sum, count)` metric pairs: `ack_ranks(step, {rank: metrics})`."""
+        return await self.ack_ranks(step, {rank: metrics})
+
+    async def ack_ranks(self, step: int, metrics_by_rank: Mapping[int, dict[str, tuple[float, float]] | None]) -> bool:
+        """These DP ranks trained `step`, each with its `(sum, count)` metric pairs (the only way metrics
+        travel: no collective carries them). One call may ack every rank (a train group's driver does:
+        one call per step instead of one per rank). Returns True when this ack completes the step: its
+        shards are released and the pairs of all ranks are reduced into the step's record. Checks every
+        rank before recording any: a refused ack changes nothing.
         """
         self._start()
         self._raise_if_failed()
@@ -281,11 +290,13 @@ class SchedulerActor:
         if slot is None:
             what = "was already acknowledged by every rank" if step < self._next_step else "was never emitted"
             raise SchedulerStateError(f"ack for step {step}, which {what}")
-        if not 0 <= rank < len(slot.refs):
-            raise ConfigError(f"rank {rank} is outside dp_size={len(slot.refs)}")
-        if rank in slot.acks:
-            raise SchedulerStateError(f"step {step}: rank {rank} acknowledged twice")
-        slot.acks[rank] = dict(metrics or {})
+        for rank in metrics_by_rank:
+            if not 0 <= rank < len(slot.refs):
+                raise ConfigError(f"rank {rank} is outside dp_size={len(slot.refs)}")
+            if rank in slot.acks:
+                raise SchedulerStateError(f"step {step}: rank {rank} acknowledged twice")
+        for rank, metrics in metrics_by_rank.items():
+            slot.acks[rank] = dict(metrics or {})
         if len(slot.acks) < len(slot.refs):
             return False
         retain = self.config.retain_until_checkpoint
@@ -540,8 +551,9 @@ class SchedulerActor:
 
     async def close(self) -> None:
         """Stop the emitter (the actor may then be killed)."""
-        if self._emitter is not None:
-            self._emitter.cancel()
+        for task in (self._emitter, self._gauge_refresher):
+            if task is not None:
+                task.cancel()
         self._layout_thread.shutdown(wait=False, cancel_futures=True)
 
     # -- internals: intake ---------------------------------------------------------------
@@ -569,7 +581,6 @@ class SchedulerActor:
             first = out.rejections[0]
             self.log.warning("%s: rejected %d sample(s); first: rollout %r, rule %s: %s", self.name,
                              len(out.rejections), first.rollout_id, first.rule, first.message)
-        self._refresh_gauges()
         if out.completed:
             self._changed.notify()
 
@@ -774,7 +785,7 @@ class SchedulerActor:
         self._records[step] = record
         self._trim_records()
         self._next_step += 1
-        self.metrics.on_policy_version(self._next_step)  # here, not in _refresh_gauges: that runs on every push
+        self.metrics.on_policy_version(self._next_step)  # here, not in _refresh_gauges: that also runs on a timer
         self._partial_steps += record.partial
         self._padded_steps += record.padding_microbatches > 0
         self.metrics.on_step(record)
@@ -848,6 +859,13 @@ class SchedulerActor:
             step = next(step for step, r in self._records.items() if r.trained)
             del self._records[step]
             self._trained_records -= 1
+
+    async def _refresh_gauges_loop(self) -> None:
+        """The buffer gauges, every GAUGE_REFRESH_S (steps, acks and flushes also set them): a push
+        changes them too, but three Ray gauge writes per push cost more than ingesting its samples."""
+        while True:
+            self._refresh_gauges()
+            await asyncio.sleep(GAUGE_REFRESH_S)
 
     def _refresh_gauges(self) -> None:
         self.metrics.on_buffer(self.intake.num_buffered_rollouts, self.intake.buffered_samples,

@@ -64,17 +64,15 @@ class TrainActor:
         return self.trainer.train_shard(shard)
 
     def train_step(self, step: int, scheduler, timeout_s: float) -> RankStepResult | None:
-        """Pull this DP rank's shard of `step` from the scheduler, train it, ack it; None if the stream ended."""
+        """Pull this DP rank's shard of `step` from the scheduler and train it; None if the stream ended.
+        The group's driver acks the step for every rank at once (TrainGroup.train_step)."""
         dp_rank = self.info.dp_rank
         shard_ref = ray.get(scheduler.get_shard.remote(step, dp_rank, timeout_s=timeout_s),
                             timeout=timeout_s + _RPC_MARGIN_S)
         if shard_ref is None:
             return None
         shard = ray.get(shard_ref.ref, timeout=timeout_s + _RPC_MARGIN_S)
-        result = self.trainer.train_shard(shard)
-        if self.info.is_lead:  # the replica's metrics travel in this ack (and in the result), never in a collective
-            ray.get(scheduler.ack_step.remote(step, dp_rank, result.metrics), timeout=_RPC_MARGIN_S)
-        return result
+        return self.trainer.train_shard(shard)
 
     def state_dict(self) -> dict:
         return self.trainer.state_dict()

@@ -11,7 +11,7 @@ IN_FLIGHT submits outstanding (a few producers at once) into
   no-op      a threaded Ray actor whose `submit(samples)` returns len(samples)
   scheduler  the real SchedulerActor, train group registered (dp 8, gbs 512, dynamic
              packing), so steps are laid out and put into the object store while pushes
-             run; a consumer actor pulls every rank's ShardRef and acks, so the buffer
+             run; a consumer actor pulls every rank's ShardRef and acks the step once, so the buffer
              stays bounded the way a train group keeps it bounded (it does not fetch the
              shards: that is the trainer's cost, not the scheduler's).
   intake     the same SchedulerActor without a train group (gbs out of reach, flushed with
@@ -80,7 +80,8 @@ class NoOpActor:
 
 
 class Consumer:
-    """A train group's pull/ack loop, minus training: pulls every rank's ShardRef, acks."""
+    """A train group's pull/ack loop, minus training: pulls every rank's ShardRef, then acks the step
+    for every rank in one call (what TrainGroup's driver does)."""
 
     def __init__(self, scheduler, dp_size: int):
         self._scheduler, self._dp_size = scheduler, dp_size
@@ -91,7 +92,7 @@ class Consumer:
             refs = ray.get([self._scheduler.get_shard.remote(step, r, timeout_s=600) for r in range(self._dp_size)])
             if refs[0] is None:
                 return step
-            ray.get([self._scheduler.ack_step.remote(step, r) for r in range(self._dp_size)])
+            ray.get(self._scheduler.ack_ranks.remote(step, {r: None for r in range(self._dp_size)}))  # as the driver does
             step += 1
 
 
@@ -184,7 +185,7 @@ def latency(num_steps: int, rng) -> None:
         refs = ray.get([scheduler.get_shard.remote(step, r, timeout_s=TIMEOUT_S) for r in range(DP_SIZE)],
                        timeout=TIMEOUT_S)
         driver_s.append(time.perf_counter() - start)
-        ray.get([scheduler.ack_step.remote(step, r) for r in range(DP_SIZE)], timeout=TIMEOUT_S)
+        ray.get(scheduler.ack_ranks.remote(step, {r: None for r in range(DP_SIZE)}), timeout=TIMEOUT_S)
         assert all(r is not None and r.step == step for r in refs)
     records = ray.get(scheduler.stats.remote(), timeout=TIMEOUT_S).recent_steps
     sched_ms = [1e3 * r.scheduling_latency_s for r in records]
@@ -230,7 +231,7 @@ def scale_latency(num_steps: int, rng) -> None:
         ray.get(scheduler.submit.remote([samples[-1]]), timeout=TIMEOUT_S)
         done = max(ray.get(parked, timeout=TIMEOUT_S))
         driver_ms.append(1e3 * (done - start))
-        ray.get([scheduler.ack_step.remote(step, r) for r in range(SCALE_DP)], timeout=TIMEOUT_S)
+        ray.get(scheduler.ack_ranks.remote(step, {r: None for r in range(SCALE_DP)}), timeout=TIMEOUT_S)
     records = ray.get(scheduler.stats.remote(), timeout=TIMEOUT_S).recent_steps
     sched_ms = [1e3 * r.scheduling_latency_s for r in records]
     print(f"\n== scale: {num_steps} steps of gbs {SCALE_GBS}, dp {SCALE_DP} x tp {SCALE_TP} = "

@@ -69,7 +69,7 @@ class Consumer:
             refs = ray.get([self._scheduler.get_shard.remote(step, r, timeout_s=TIMEOUT_S) for r in range(DP_SIZE)])
             if refs[0] is None:
                 return step
-            ray.get([self._scheduler.ack_step.remote(step, r) for r in range(DP_SIZE)])
+            ray.get(self._scheduler.ack_ranks.remote(step, {r: None for r in range(DP_SIZE)}))
             step += 1
 
 

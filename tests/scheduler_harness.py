@@ -27,9 +27,9 @@ def drain(scheduler, dp_size: int, *, first_step: int = 0, ack: bool = True, tim
             return steps
         shards = [ray.get(r.ref, timeout=TIMEOUT_S) for r in refs]
         assert [s.rank for s in shards] == list(range(dp_size)) and {s.step for s in shards} == {step}
-        if ack:
-            for rank, shard in enumerate(shards):
-                call(scheduler.ack_step, step, rank, {"loss": (float(shard.num_samples), float(shard.num_samples))})
+        if ack:  # one call for every rank, as a train group's driver acks
+            call(scheduler.ack_ranks, step, {rank: {"loss": (float(shard.num_samples), float(shard.num_samples))}
+                                              for rank, shard in enumerate(shards)})
         steps.append(shards)
         step += 1
 
