@@ -252,15 +252,33 @@ class SchedulerActor:
         SchedulerTimeoutError after `timeout_s`, SchedulerStateError for a released step or
         after an internal failure.
         """
+        if self._parallel is not None and not 0 <= rank < self._parallel.dp_size:
+            raise ConfigError(f"rank {rank} is outside dp_size={self._parallel.dp_size}")
+        slot = await self._wait_for_step(step, timeout_s, f"step {step}, rank {rank}")
+        if slot is None:
+            return None
+        if not 0 <= rank < len(slot.refs):  # the train group registered while this call waited
+            raise ConfigError(f"rank {rank} is outside dp_size={len(slot.refs)}")
+        return ShardRef(step, rank, slot.refs[rank], len(slot.rollouts))
+
+    async def get_step(self, step: int, timeout_s: float = 60.0) -> list[ShardRef] | None:
+        """`get_shard` for every DP rank of `step` at once, in rank order: what a train group's driver
+        asks, handing each rank its ShardRef (one call per step instead of one per rank, each of which
+        costs the scheduler's process ~1 ms of CPU on 2 cores). None once input ended."""
+        slot = await self._wait_for_step(step, timeout_s, f"step {step}")
+        if slot is None:
+            return None
+        return [ShardRef(step, rank, ref, len(slot.rollouts)) for rank, ref in enumerate(slot.refs)]
+
+    async def _wait_for_step(self, step: int, timeout_s: float, who: str) -> _StepSlot | None:
+        """The slot of `step` once emitted; None once input ended and it never will be (see get_shard)."""
         self._start()
         deadline = time.monotonic() + timeout_s
         while True:
             self._raise_if_failed()
-            if self._parallel is not None and not 0 <= rank < self._parallel.dp_size:
-                raise ConfigError(f"rank {rank} is outside dp_size={self._parallel.dp_size}")
             slot = self._slots.get(step)
             if slot is not None:
-                return ShardRef(step, rank, slot.refs[rank], len(slot.rollouts))
+                return slot
             if step < self._next_step:
                 raise SchedulerStateError(f"step {step} was acknowledged by every rank and released")
             if self._ended:
@@ -268,7 +286,7 @@ class SchedulerActor:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise SchedulerTimeoutError(
-                    f"step {step}, rank {rank}: no shard after {timeout_s} s; {self.intake.num_ready} rollouts ready "
+                    f"{who}: no shard after {timeout_s} s; {self.intake.num_ready} rollouts ready "
                     f"(global_batch_size={self.config.batch.global_batch_size}), {self.intake.num_buffered_rollouts} "
                     f"buffered, {self._next_step} steps emitted, train group registered: {self._parallel is not None}")
             await self._published.wait(remaining)

@@ -2,10 +2,10 @@
 
 Created cheaply (no Megatron import) on its placement-group bundle; `setup` joins
 torch.distributed and Megatron's groups and builds the model, so every rank imports
-Megatron in parallel. A step either comes as a shard (`train_shard`) or is pulled from the
-SchedulerActor (`train_step`): get this DP rank's ShardRef for step k, train it, and (the
-lead rank of each DP replica: TP/CP rank 0 of the last pipeline stage) ack with its replica's
-metric pairs.
+Megatron in parallel. A step either comes as a shard (`train_shard`) or as the ShardRef the
+SchedulerActor gave the group's driver for this DP rank (`train_step`): the rank pulls its
+shard from the object store and trains it; the lead rank of each DP replica (TP/CP rank 0 of
+the last pipeline stage) returns its replica's metric pairs, which the driver acks.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 import ray
 import torch
 
+from actors.scheduler_api import ShardRef
 from actors.train_config import RankInfo, RankStepResult, TrainGroupConfig
 from vgbs_ray.shard import StepShard
 
@@ -63,14 +64,9 @@ class TrainActor:
     def train_shard(self, shard: StepShard) -> RankStepResult:
         return self.trainer.train_shard(shard)
 
-    def train_step(self, step: int, scheduler, timeout_s: float) -> RankStepResult | None:
-        """Pull this DP rank's shard of `step` from the scheduler and train it; None if the stream ended.
-        The group's driver acks the step for every rank at once (TrainGroup.train_step)."""
-        dp_rank = self.info.dp_rank
-        shard_ref = ray.get(scheduler.get_shard.remote(step, dp_rank, timeout_s=timeout_s),
-                            timeout=timeout_s + _RPC_MARGIN_S)
-        if shard_ref is None:
-            return None
+    def train_step(self, shard_ref: ShardRef, timeout_s: float) -> RankStepResult:
+        """Pull this DP rank's shard from the object store (its ShardRef comes from the group's driver,
+        which asks the scheduler for every rank's at once) and train it. The driver acks the step."""
         shard = ray.get(shard_ref.ref, timeout=timeout_s + _RPC_MARGIN_S)
         return self.trainer.train_shard(shard)
 

@@ -109,29 +109,29 @@ class TrainGroup:
     # -- steps --------------------------------------------------------------------------
 
     def train_step(self, step: int, scheduler, *, shard_timeout_s: float | None = None) -> StepResult | None:
-        """Every rank pulls its shard of `step` from the scheduler and trains it, then this driver acks the
-        step for all of them; None when the stream ended."""
+        """Every rank pulls its shard of `step` and trains it, then this driver acks the step for all of
+        them; None when the stream ended. The driver asks the scheduler for every DP rank's ShardRef in
+        one call and hands each rank its own (TP peers share their DP rank's): one scheduler call per
+        step for the whole group, whatever its size; the shards themselves go from the object store
+        straight to the ranks."""
         wait_s = shard_timeout_s if shard_timeout_s is not None else self.config.step_timeout_s
-        # Wait for the step here first, so each rank's task can carry the step's rollout count in
-        # its name: the Ray dashboard's task list then shows per-step rollouts without Grafana.
         waiting_since = time.perf_counter()
         try:
-            first = ray.get(scheduler.get_shard.remote(step, 0, timeout_s=wait_s), timeout=wait_s + 30)
+            refs = ray.get(scheduler.get_step.remote(step, timeout_s=wait_s), timeout=wait_s + 30)
         except ray.exceptions.RayTaskError as error:
             raise TrainStepError(f"step {step}: the scheduler has no shard for it: {error.cause!r}",
                                  FailureKind.NO_SHARD) from error
         shard_wait_s = time.perf_counter() - waiting_since
-        if first is None:
+        if refs is None:
             return None
-        task_name = f"train_step step={step} rollouts={first.num_rollouts}"
-        results = self._gather([actor.train_step.options(name=task_name).remote(step, scheduler, wait_s)
-                                for actor in self.actors],
+        if len(refs) != self.config.dp_size:
+            raise TrainStepError(f"step {step}: the scheduler laid it out for {len(refs)} DP ranks, this group has "
+                                 f"{self.config.dp_size}", FailureKind.NO_SHARD)
+        # The step's rollout count in each rank's task name: the Ray dashboard's task list shows it.
+        task_name = f"train_step step={step} rollouts={refs[0].num_rollouts}"
+        results = self._gather([actor.train_step.options(name=task_name).remote(refs[info.dp_rank], wait_s)
+                                for actor, info in zip(self.actors, self.rank_infos)],
                                self.config.step_timeout_s + wait_s, f"step {step}")
-        if all(r is None for r in results):
-            return None
-        if any(r is None for r in results):
-            raise TrainStepError(f"step {step}: some ranks got no shard and others did; the scheduler "
-                                 "must publish every DP rank's shard of a step or none")
         self._ack(step, scheduler, results)
         return dataclasses.replace(_combine(results), shard_wait_s=shard_wait_s)
 

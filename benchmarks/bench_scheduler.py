@@ -89,8 +89,8 @@ class Consumer:
     def run(self) -> int:
         step = 0
         while True:
-            refs = ray.get([self._scheduler.get_shard.remote(step, r, timeout_s=600) for r in range(self._dp_size)])
-            if refs[0] is None:
+            refs = ray.get(self._scheduler.get_step.remote(step, timeout_s=600))  # every rank's, as the driver does
+            if refs is None:
                 return step
             ray.get(self._scheduler.ack_ranks.remote(step, {r: None for r in range(self._dp_size)}))  # as the driver does
             step += 1

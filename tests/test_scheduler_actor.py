@@ -111,11 +111,16 @@ def test_32_rollouts_gbs_24_partial_emits_24_then_8(scheduler_factory):
         call(scheduler.submit, rollout_rows("late", 1))
 
 
-def test_one_ack_for_every_rank_and_a_refused_ack_changes_nothing(scheduler_factory):
+def test_one_call_gets_every_rank_and_one_acks_them_and_a_refused_ack_changes_nothing(scheduler_factory):
     scheduler = scheduler_factory("sched-ack-ranks", batch=BatchConfig(global_batch_size=4, max_tokens_per_gpu=64))
     call(scheduler.register_train_group, ParallelConfig(dp_size=3))
     call(scheduler.submit, [row for rollout in many_rollouts(4, seed=3, max_samples=2) for row in rollout])
     assert all(call(scheduler.get_shard, 0, rank, timeout_s=30) is not None for rank in range(3))
+    every_rank = call(scheduler.get_step, 0, timeout_s=30)  # a driver's one call: each rank's ShardRef, in rank order
+    assert [(r.step, r.rank, r.num_rollouts) for r in every_rank] == [(0, rank, 4) for rank in range(3)]
+    assert [r.ref for r in every_rank] == [call(scheduler.get_shard, 0, rank).ref for rank in range(3)]
+    with pytest.raises(ConfigError, match="rank 3 is outside"):
+        call(scheduler.get_shard, 0, 3)
     pairs = {"loss": (2.0, 4.0)}
     with pytest.raises(ConfigError, match="rank 3 is outside"):
         call(scheduler.ack_ranks, 0, {0: pairs, 3: pairs})
@@ -126,6 +131,10 @@ def test_one_ack_for_every_rank_and_a_refused_ack_changes_nothing(scheduler_fact
     assert call(scheduler.ack_ranks, 0, {1: pairs, 2: {"loss": (1.0, 2.0)}}) is True
     record = call(scheduler.step_record, 0)
     assert record.trained and record.metrics["loss"] == (5.0, 10.0)  # the pairs of all three ranks, summed
+    with pytest.raises(SchedulerStateError, match="released"):
+        call(scheduler.get_step, 0)
+    call(scheduler.end_of_input)
+    assert call(scheduler.get_step, 1) is None  # input ended: step 1 never comes
 
 
 def test_drop_policy_emits_24_and_records_8_dropped(scheduler_factory):
