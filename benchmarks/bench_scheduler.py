@@ -11,9 +11,10 @@ IN_FLIGHT submits outstanding (a few producers at once) into
   no-op      a threaded Ray actor whose `submit(samples)` returns len(samples)
   scheduler  the real SchedulerActor, train group registered (dp 8, gbs 512, dynamic
              packing), so steps are laid out and put into the object store while pushes
-             run; a consumer actor pulls every rank's ShardRef and acks the step once, so the buffer
-             stays bounded the way a train group keeps it bounded (it does not fetch the
-             shards: that is the trainer's cost, not the scheduler's).
+             run; a consumer actor takes every rank's ShardRef (one get_step) and acks the
+             step (one ack_ranks), as a TrainGroup's driver does, so the buffer stays bounded
+             the way a train group keeps it bounded (it does not fetch the shards: that is
+             the trainer's cost, not the scheduler's).
   intake     the same SchedulerActor without a train group (gbs out of reach, flushed with
              leftover="drop" after each round, outside the timing): the push path alone.
 No buffer bounds are set: deferrals would measure the consumer, not the push path.
@@ -21,7 +22,7 @@ Rounds of the three alternate, so background load on a small machine hits all al
 median samples/s of each and its ratio to the no-op are printed (the target is >= 0.5).
 
 Latency. For gbs 512 (dp 8, dynamic packing) the driver pushes a step's rollouts, the
-last one alone, then pulls all 8 ShardRefs: it prints the scheduler's
+last one alone, then takes all 8 ShardRefs (one get_step): it prints the scheduler's
 StepRecord.scheduling_latency_s (last rollout ready -> all shards in the store) and the
 driver's view (last submit sent -> every rank's shard gettable), median and max.
 
@@ -80,8 +81,8 @@ class NoOpActor:
 
 
 class Consumer:
-    """A train group's pull/ack loop, minus training: pulls every rank's ShardRef, then acks the step
-    for every rank in one call (what TrainGroup's driver does)."""
+    """A train group's pull/ack loop, minus training: every rank's ShardRef in one call, then one ack
+    for every rank (what TrainGroup's driver does)."""
 
     def __init__(self, scheduler, dp_size: int):
         self._scheduler, self._dp_size = scheduler, dp_size
@@ -89,10 +90,10 @@ class Consumer:
     def run(self) -> int:
         step = 0
         while True:
-            refs = ray.get(self._scheduler.get_step.remote(step, timeout_s=600))  # every rank's, as the driver does
+            refs = ray.get(self._scheduler.get_step.remote(step, timeout_s=600))
             if refs is None:
                 return step
-            ray.get(self._scheduler.ack_ranks.remote(step, {r: None for r in range(self._dp_size)}))  # as the driver does
+            ray.get(self._scheduler.ack_ranks.remote(step, {r: None for r in range(self._dp_size)}))
             step += 1
 
 
@@ -182,11 +183,10 @@ def latency(num_steps: int, rng) -> None:
         # The step's last rollout (it completes its group) arrives alone.
         start = time.perf_counter()
         ray.get(scheduler.submit.remote([samples[-1]]), timeout=TIMEOUT_S)
-        refs = ray.get([scheduler.get_shard.remote(step, r, timeout_s=TIMEOUT_S) for r in range(DP_SIZE)],
-                       timeout=TIMEOUT_S)
+        refs = ray.get(scheduler.get_step.remote(step, timeout_s=TIMEOUT_S), timeout=TIMEOUT_S)
         driver_s.append(time.perf_counter() - start)
         ray.get(scheduler.ack_ranks.remote(step, {r: None for r in range(DP_SIZE)}), timeout=TIMEOUT_S)
-        assert all(r is not None and r.step == step for r in refs)
+        assert len(refs) == DP_SIZE and all(r.step == step for r in refs)
     records = ray.get(scheduler.stats.remote(), timeout=TIMEOUT_S).recent_steps
     sched_ms = [1e3 * r.scheduling_latency_s for r in records]
     driver_ms = [1e3 * s for s in driver_s]
