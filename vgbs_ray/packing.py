@@ -76,16 +76,18 @@ def first_fit_decreasing(sizes, capacity: int) -> list[list[int]]:
             num_open += 1
         else:
             bins[leaf].append(index)
+        # Back up the tree: a parent holds the larger room of its two children; stop where it is unchanged.
         node = leaf + leaves
-        room[node] -= taken
-        node >>= 1
-        while node:
-            left, right = room[2 * node], room[2 * node + 1]
-            best = left if left > right else right
+        best = room[node] - taken
+        room[node] = best
+        while node > 1:
+            sibling = room[node ^ 1]
+            if sibling > best:
+                best = sibling
+            node >>= 1
             if room[node] == best:
                 break
             room[node] = best
-            node >>= 1
     return bins
 
 

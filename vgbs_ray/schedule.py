@@ -166,7 +166,7 @@ def layout_step(
     )
     global_index = sample_indices.tolist()
     rank_micro_batches = tuple(
-        tuple(tuple(global_index[p] for p in mb) for mb in rank_bins) for rank_bins in ranks
+        tuple(tuple([global_index[p] for p in mb]) for mb in rank_bins) for rank_bins in ranks
     )
     return StepLayout(rollout_ids=tuple(rollout_ids), rank_micro_batches=rank_micro_batches)
 
