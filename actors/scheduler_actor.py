@@ -4,8 +4,10 @@
     ray.get(scheduler.register_train_group.remote(ParallelConfig(dp_size=4)))
     result = ray.get(scheduler.submit.remote(samples))        # producers push, any order
     ray.get(scheduler.consume_dataset.remote(ds))              # and/or a Ray Data stream
-    ref = ray.get(scheduler.get_shard.remote(step, rank, timeout_s=60))
-    shard = ray.get(ref.ref); ...; ray.get(scheduler.ack_step.remote(step, rank, metric_pairs))
+    refs = ray.get(scheduler.get_step.remote(step, timeout_s=60))   # a train group's driver: every rank's
+    shard = ray.get(refs[rank].ref); ...                               # each rank pulls its own shard
+    ray.get(scheduler.ack_ranks.remote(step, {rank: metric_pairs, ...}))   # one ack for every rank
+    (get_shard(step, rank) and ack_step(step, rank, pairs) are the per-rank forms.)
 
 An asyncio Ray actor (named, `num_cpus=0`) and a thin shell around the core: `RolloutIntake`
 (validation, completion, group advantages, buffer bounds), `Ledger` (one state per rollout,

@@ -38,8 +38,9 @@ class SchedulerConfig:
     retry_after_s: float = 0.05
     """The wait a deferred producer is told to sleep before resubmitting."""
     max_concurrency: int = 4096
-    """Calls the asyncio actor serves at once: every rank (TP and PP peers too) parks one get_shard,
-    every producer one submit; size it above world_size + producers. A parked call costs no thread."""
+    """Calls the asyncio actor serves at once: a TrainGroup's driver parks one get_step, ranks that pull
+    for themselves (TP and PP peers too) one get_shard each, every producer one submit; size it above
+    world_size + producers. A parked call costs no thread."""
     retain_until_checkpoint: bool = False
     """Keep each trained step's rollouts (and their ledger entries live) until `checkpointed(n)` says a
     checkpoint holds the step, so `rewind(n)` can train them again after a train group restarts from
