@@ -126,6 +126,13 @@ def test_group_rules_and_uniform_group_drop():
     assert out.dropped == [("a", "uniform_group_reward"), ("b", "uniform_group_reward")]
     assert intake.num_ready == 0 and intake.buffered_samples == 0
     assert intake.ledger.summary().dropped_by_reason == {"uniform_group_reward": 2}
+    # A push that drops a group, then carries a late sample of a rollout of it: checked after the drop.
+    h = ("h", 2)
+    intake.ingest(rollout_rows("c", 1, advantage=None, group=h), now=2)
+    out = intake.ingest(rollout_rows("d", 1, advantage=None, group=h) + [sample_row("c", 0, size=1, advantage=None, group=h)],
+                        now=3)
+    assert out.dropped == [("c", "uniform_group_reward"), ("d", "uniform_group_reward")]
+    assert [(r.rollout_id, r.rule) for r in out.rejections] == [("c", "already_dropped")]
 
 
 def test_backpressure_defers_new_rollouts_but_admits_open_ones():

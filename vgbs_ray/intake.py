@@ -222,10 +222,11 @@ class RolloutIntake:
             self._reject_push(out, rows, f"{push_tokens} tokens in one push exceed max_tokens_per_push={c.max_tokens_per_push}")
             return out
         deferring = False
-        # An open rollout is never closed; the others are looked up in the ledger all at once.
+        # An open rollout is never closed. The others are looked up in the ledger all at once; a known
+        # one again as its turn comes (an earlier rollout of this push may have dropped its group).
         known = self.ledger.get_many(rid for rid in by_rollout if rid not in self._open)
         for rid, items in by_rollout.items():
-            closed = None if rid in self._open else self._closed_reason(rid, known.get(rid))
+            closed = None if rid in self._open else self._closed_reason(rid, self.ledger.get(rid) if rid in known else None)
             if rid not in self._open and not closed:
                 group_open = items[0][1].group_id in self._groups
                 if not group_open:
