@@ -5,7 +5,7 @@
     result = ray.get(scheduler.submit.remote(samples))        # producers push, any order
     ray.get(scheduler.consume_dataset.remote(ds))              # and/or a Ray Data stream
     refs = ray.get(scheduler.get_step.remote(step, timeout_s=60))   # a train group's driver: every rank's
-    shard = ray.get(refs[rank].ref); ...                               # each rank pulls its own shard
+    shard = refs[rank].fetch(); ...                                    # each rank pulls its own shard
     ray.get(scheduler.ack_ranks.remote(step, {rank: metric_pairs, ...}))   # one ack for every rank
     (get_shard(step, rank) and ack_step(step, rank, pairs) are the per-rank forms.)
 
@@ -128,11 +128,21 @@ class _PendingFlush:
     error: str | None = None
 
 
+def _ranks_by_node(rank_nodes: Sequence[str]) -> list[list[int]]:
+    """DP ranks grouped by node, ranks ascending, nodes in order of their first rank."""
+    groups: dict[str, list[int]] = {}
+    for rank, node in enumerate(rank_nodes):
+        groups.setdefault(node, []).append(rank)
+    return list(groups.values())
+
+
 @dataclass
 class _StepSlot:
     """An emitted step until every DP rank acknowledged it: its shards and who acked."""
 
     refs: list
+    """Per DP rank, where its shard is: (ObjectRef, None) for an object of its own, (ObjectRef, index)
+    for its entry in its node's object."""
     rollouts: list
     """The step's rollouts, kept until it is acknowledged (a rewind puts them back in front)."""
     acks: dict = field(default_factory=dict)
@@ -156,6 +166,7 @@ class SchedulerActor:
         self.metrics = SchedulerMetrics(name)
         self._parallel: ParallelConfig | None = None
         self._advertise_layout = True
+        self._ranks_by_node: list[list[int]] | None = None   # DP ranks per node: one shard object per node
         self._slots: dict[int, _StepSlot] = {}
         self._retained: dict[int, list[ReadyRollout]] = {}  # trained, not yet in a checkpoint (retain_until_checkpoint)
         self._records: OrderedDict[int, StepRecord] = OrderedDict()
@@ -227,19 +238,26 @@ class SchedulerActor:
             self._gauge_refresher = asyncio.get_running_loop().create_task(self._refresh_gauges_loop())
 
     # -- train side ------------------------------------------------------------------
-    async def register_train_group(self, parallel: ParallelConfig, advertise_layout: bool = True) -> SchedulingDecision:
+    async def register_train_group(self, parallel: ParallelConfig, advertise_layout: bool = True,
+                                   rank_nodes: Sequence[str] | None = None) -> SchedulingDecision:
         """Advertise the train group's parallel layout; steps are laid out only after this.
 
         advertise_layout=False selects the legacy path (even DP split, no micro-batch layout).
-        Returns the scheduling decision for a full step. Raises ConfigError for a pair of
-        configs that can never be laid out, or a different layout once steps were emitted.
+        `rank_nodes`, the Ray node of each DP rank, puts the shards of the DP ranks on one node as
+        one object (one `ray.put` per node and step instead of one per rank; each ShardRef says
+        which entry is its rank's, `ShardRef.fetch()`); None puts one object per rank. Returns the
+        scheduling decision for a full step. Raises ConfigError for a pair of configs that can
+        never be laid out, or a different layout once steps were emitted.
         """
         self._start()
         check_schedule_configs(parallel, self.config.batch)
         if self._parallel is not None and self._next_step and (parallel, advertise_layout) != (self._parallel, self._advertise_layout):
             raise ConfigError(f"scheduler {self.name!r} already emitted steps for {self._parallel}; "
                               "start a new scheduler for a different train group")
+        if rank_nodes is not None and len(rank_nodes) != parallel.dp_size:
+            raise ConfigError(f"rank_nodes names {len(rank_nodes)} nodes, one per DP rank is needed (dp_size={parallel.dp_size})")
         self._parallel, self._advertise_layout = parallel, advertise_layout
+        self._ranks_by_node = None if rank_nodes is None else _ranks_by_node(rank_nodes)
         self._changed.notify()
         gbs = self.config.batch.global_batch_size
         decision = decide_scheduling(parallel if advertise_layout else None, num_rollouts=gbs,
@@ -261,7 +279,7 @@ class SchedulerActor:
             return None
         if not 0 <= rank < len(slot.refs):  # the train group registered while this call waited
             raise ConfigError(f"rank {rank} is outside dp_size={len(slot.refs)}")
-        return ShardRef(step, rank, slot.refs[rank], len(slot.rollouts))
+        return ShardRef(step, rank, *slot.refs[rank], num_rollouts=len(slot.rollouts))
 
     async def get_step(self, step: int, timeout_s: float = 60.0) -> list[ShardRef] | None:
         """`get_shard` for every DP rank of `step` at once, in rank order: what a train group's driver
@@ -270,7 +288,7 @@ class SchedulerActor:
         slot = await self._wait_for_step(step, timeout_s, f"step {step}")
         if slot is None:
             return None
-        return [ShardRef(step, rank, ref, len(slot.rollouts)) for rank, ref in enumerate(slot.refs)]
+        return [ShardRef(step, rank, *where, num_rollouts=len(slot.rollouts)) for rank, where in enumerate(slot.refs)]
 
     async def _wait_for_step(self, step: int, timeout_s: float, who: str) -> _StepSlot | None:
         """The slot of `step` once emitted; None once input ended and it never will be (see get_shard)."""
@@ -772,7 +790,7 @@ class SchedulerActor:
         try:
             planned, refs = await asyncio.get_running_loop().run_in_executor(
                 self._layout_thread, self._plan_and_put, rollouts, step, self._parallel, self._advertise_layout,
-                self._rollouts_seen)
+                self._rollouts_seen, self._ranks_by_node)
         except BaseException:
             self.intake.return_front(rollouts)  # nothing of the step happened: the rollouts stay buffered
             raise
@@ -821,12 +839,21 @@ class SchedulerActor:
         return step
 
     def _plan_and_put(self, rollouts, step: int, parallel: ParallelConfig, advertise_layout: bool,
-                      rollouts_seen: int) -> tuple[PlannedStep, list]:
-        """The layout thread: pure planning, then one object per rank (owned by this actor)."""
+                      rollouts_seen: int, node_ranks: list[list[int]] | None) -> tuple[PlannedStep, list]:
+        """The layout thread: pure planning, then the shards into the object store (objects owned by this
+        actor): one per rank, or one per node (`node_ranks`: the DP ranks of each node) holding its ranks'.
+        Returns the plan and, per DP rank, (ObjectRef, index in its node's object or None)."""
         planned = plan_step(rollouts, step=step, parallel=parallel, batch=self.config.batch,
                             advertise_layout=advertise_layout, num_rollouts_seen=rollouts_seen,
                             features=self.config.features)
-        return planned, [ray.put(shard) for shard in planned.shards]
+        if node_ranks is None:
+            return planned, [(ray.put(shard), None) for shard in planned.shards]
+        where: list = [None] * len(planned.shards)
+        for ranks in node_ranks:
+            ref = ray.put(tuple(planned.shards[rank] for rank in ranks))
+            for index, rank in enumerate(ranks):
+                where[rank] = (ref, index)
+        return planned, where
 
     # -- internals: flush requests and failure ---------------------------------------------
     def _request_flush(self, trigger: str, *, end_of_input: bool) -> _PendingFlush:

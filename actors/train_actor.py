@@ -67,7 +67,7 @@ class TrainActor:
     def train_step(self, shard_ref: ShardRef, timeout_s: float) -> RankStepResult:
         """Pull this DP rank's shard from the object store (its ShardRef comes from the group's driver,
         which asks the scheduler for every rank's at once) and train it. The driver acks the step."""
-        shard = ray.get(shard_ref.ref, timeout=timeout_s + _RPC_MARGIN_S)
+        shard = shard_ref.fetch(timeout_s=timeout_s + _RPC_MARGIN_S)
         return self.trainer.train_shard(shard)
 
     def state_dict(self) -> dict:

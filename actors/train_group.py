@@ -102,9 +102,15 @@ class TrainGroup:
     def register_with(self, scheduler, *, advertise_layout: bool = True):
         """Advertise this group's parallel config to a SchedulerActor; returns its scheduling decision.
 
-        advertise_layout=False asks for the legacy path (no rollout-side layout).
+        advertise_layout=False asks for the legacy path (no rollout-side layout). The node of each
+        DP rank (its lead rank's) goes along: the scheduler puts one object per node and step
+        holding the shards of that node's DP ranks, instead of one per rank.
         """
-        return ray.get(scheduler.register_train_group.remote(self.parallel_config, advertise_layout), timeout=60)
+        nodes = self.node_ids()
+        rank_nodes = [node for node, info in sorted(zip(nodes, self.rank_infos), key=lambda pair: pair[1].dp_rank)
+                      if info.is_lead]
+        return ray.get(scheduler.register_train_group.remote(self.parallel_config, advertise_layout, rank_nodes),
+                       timeout=60)
 
     # -- steps --------------------------------------------------------------------------
 

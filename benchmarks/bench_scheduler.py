@@ -9,8 +9,9 @@ one-sample rollouts carrying group_id/group_size (the scheduler computes the adv
 Throughput. The driver pushes ROUND_BATCHES batches of BATCH_SAMPLES samples with up to
 IN_FLIGHT submits outstanding (a few producers at once) into
   no-op      a threaded Ray actor whose `submit(samples)` returns len(samples)
-  scheduler  the real SchedulerActor, train group registered (dp 8, gbs 512, dynamic
-             packing), so steps are laid out and put into the object store while pushes
+  scheduler  the real SchedulerActor, train group registered (dp 8 on this node, gbs 512,
+             dynamic packing), so steps are laid out and put into the object store (one
+             object per step: the node's eight shards, as for a TrainGroup) while pushes
              run; a consumer actor takes every rank's ShardRef (one get_step) and acks the
              step (one ack_ranks), as a TrainGroup's driver does, so the buffer stays bounded
              the way a train group keeps it bounded (it does not fetch the shards: that is
@@ -27,8 +28,9 @@ StepRecord.scheduling_latency_s (last rollout ready -> all shards in the store) 
 driver's view (last submit sent -> every rank's shard gettable), median and max.
 
 Scale. The same at dp 256 x tp 4: 1,024 simulated ranks (async callers in SCALE_POOLS actors)
-park their get_shard before the step's last rollout is pushed; the driver's view is last
-submit sent -> all 1,024 ShardRefs returned.
+park their get_shard before the step's last rollout is pushed; the driver's view is last submit
+sent -> all 1,024 ShardRefs returned. Twice, side by side: without a node map (one shard object
+per DP rank, 256 puts per step) and with every rank's node registered (one object per node).
 """
 
 from __future__ import annotations
@@ -123,6 +125,14 @@ def wait_drained(scheduler) -> None:
     raise TimeoutError("the scheduler did not drain its steps")
 
 
+def register_on_this_node(scheduler) -> None:
+    """The train group a TrainGroup on this one node registers: dp 8, every rank's node named (so one
+    shard object per step holds all eight shards)."""
+    node = ray.get_runtime_context().get_node_id()
+    ray.get(scheduler.register_train_group.remote(ParallelConfig(dp_size=DP_SIZE), True, [node] * DP_SIZE),
+            timeout=TIMEOUT_S)
+
+
 def batch_config() -> BatchConfig:
     return BatchConfig(global_batch_size=GBS, max_tokens_per_gpu=MAX_TOKENS_PER_GPU, leftover="drop")
 
@@ -130,7 +140,7 @@ def batch_config() -> BatchConfig:
 def throughput(rounds: int, round_batches: int, rng) -> None:
     noop = ray.remote(NoOpActor).options(num_cpus=0, max_concurrency=64).remote()
     scheduler = create_scheduler(SchedulerConfig(batch=batch_config()), name="bench-throughput")
-    ray.get(scheduler.register_train_group.remote(ParallelConfig(dp_size=DP_SIZE)), timeout=TIMEOUT_S)
+    register_on_this_node(scheduler)
     consumer = ray.remote(Consumer).options(num_cpus=0).remote(scheduler, DP_SIZE)
     consumer_run = consumer.run.remote()
     # Warm-up: actor start, worker imports, first serialisation paths.
@@ -174,7 +184,7 @@ def throughput(rounds: int, round_batches: int, rng) -> None:
 
 def latency(num_steps: int, rng) -> None:
     scheduler = create_scheduler(SchedulerConfig(batch=batch_config()), name="bench-latency")
-    ray.get(scheduler.register_train_group.remote(ParallelConfig(dp_size=DP_SIZE)), timeout=TIMEOUT_S)
+    register_on_this_node(scheduler)
     driver_s = []
     for step in range(num_steps):
         samples = [s for b in make_batches(f"lat{step}", GBS // BATCH_SAMPLES, rng) for s in b]
@@ -214,10 +224,13 @@ class RankPool:
         return time.perf_counter()
 
 
-def scale_latency(num_steps: int, rng) -> None:
+def scale_run(num_steps: int, rng, *, node_objects: bool) -> tuple[list[float], list[float]]:
+    """(scheduler ms, driver ms) per step at dp 256 x tp 4; `node_objects`: the ranks' node is registered
+    (all on this one), so each step is one object instead of 256."""
     scheduler = create_scheduler(SchedulerConfig(batch=BatchConfig(
         global_batch_size=SCALE_GBS, max_tokens_per_gpu=MAX_TOKENS_PER_GPU, leftover="drop")), name="bench-scale")
-    ray.get(scheduler.register_train_group.remote(ParallelConfig(dp_size=SCALE_DP)), timeout=TIMEOUT_S)
+    rank_nodes = [ray.get_runtime_context().get_node_id()] * SCALE_DP if node_objects else None
+    ray.get(scheduler.register_train_group.remote(ParallelConfig(dp_size=SCALE_DP), True, rank_nodes), timeout=TIMEOUT_S)
     pools = [ray.remote(RankPool).options(num_cpus=0, max_concurrency=4096).remote(scheduler) for _ in range(SCALE_POOLS)]
     ranks = [dp for dp in range(SCALE_DP) for _ in range(SCALE_TP)]
     driver_ms = []
@@ -233,15 +246,23 @@ def scale_latency(num_steps: int, rng) -> None:
         driver_ms.append(1e3 * (done - start))
         ray.get(scheduler.ack_ranks.remote(step, {r: None for r in range(SCALE_DP)}), timeout=TIMEOUT_S)
     records = ray.get(scheduler.stats.remote(), timeout=TIMEOUT_S).recent_steps
-    sched_ms = [1e3 * r.scheduling_latency_s for r in records]
-    print(f"\n== scale: {num_steps} steps of gbs {SCALE_GBS}, dp {SCALE_DP} x tp {SCALE_TP} = "
-          f"{SCALE_DP * SCALE_TP} parked get_shard calls per step")
-    print(f"{'':<48} {'median ms':>10} {'max ms':>8}")
-    print(f"{'scheduler: last rollout ready -> 256 shards put':<48} {statistics.median(sched_ms):>10.1f} {max(sched_ms):>8.1f}")
-    print(f"{'driver: last submit -> 1,024 ShardRefs returned':<48} {statistics.median(driver_ms):>10.1f} {max(driver_ms):>8.1f}")
     ray.get(scheduler.close.remote(), timeout=TIMEOUT_S)
     for actor in [scheduler, *pools]:
         ray.kill(actor)
+    return [1e3 * r.scheduling_latency_s for r in records], driver_ms
+
+
+def scale_latency(num_steps: int, rng) -> None:
+    per_rank = scale_run(num_steps, rng, node_objects=False)
+    per_node = scale_run(num_steps, rng, node_objects=True)
+    print(f"\n== scale: {num_steps} steps of gbs {SCALE_GBS}, dp {SCALE_DP} x tp {SCALE_TP} = "
+          f"{SCALE_DP * SCALE_TP} parked get_shard calls per step; shards as one object per rank (256 puts) / "
+          "per node (1 put)")
+    print(f"{'':<48} {'median ms':>10} {'max ms':>8} {'per node':>9} {'max':>8} {'median ratio':>13}")
+    for label, rank_ms, node_ms in (("scheduler: last rollout ready -> shards put", per_rank[0], per_node[0]),
+                                    ("driver: last submit -> 1,024 ShardRefs returned", per_rank[1], per_node[1])):
+        print(f"{label:<48} {statistics.median(rank_ms):>10.1f} {max(rank_ms):>8.1f} {statistics.median(node_ms):>9.1f} "
+              f"{max(node_ms):>8.1f} {statistics.median(rank_ms) / statistics.median(node_ms):>12.1f}x")
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ def drain(scheduler, dp_size: int, *, first_step: int = 0, ack: bool = True, tim
         if refs[0] is None:
             assert all(r is None for r in refs)
             return steps
-        shards = [ray.get(r.ref, timeout=TIMEOUT_S) for r in refs]
+        shards = [r.fetch(timeout_s=TIMEOUT_S) for r in refs]
         assert [s.rank for s in shards] == list(range(dp_size)) and {s.step for s in shards} == {step}
         if ack:  # one call for every rank, as a train group's driver acks
             call(scheduler.ack_ranks, step, {rank: {"loss": (float(shard.num_samples), float(shard.num_samples))}

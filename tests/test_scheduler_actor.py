@@ -137,6 +137,21 @@ def test_one_call_gets_every_rank_and_one_acks_them_and_a_refused_ack_changes_no
     assert call(scheduler.get_step, 1) is None  # input ended: step 1 never comes
 
 
+def test_the_shards_of_a_nodes_ranks_are_one_object(scheduler_factory):
+    scheduler = scheduler_factory("sched-node-objects", batch=BatchConfig(global_batch_size=6, max_tokens_per_gpu=64))
+    with pytest.raises(ConfigError, match="one per DP rank"):
+        call(scheduler.register_train_group, ParallelConfig(dp_size=3), True, ["a", "b"])
+    call(scheduler.register_train_group, ParallelConfig(dp_size=3), True, ["node-b", "node-a", "node-b"])
+    call(scheduler.submit, [row for rollout in many_rollouts(6, seed=4, max_samples=2) for row in rollout])
+    refs = call(scheduler.get_step, 0, timeout_s=30)
+    assert [r.index for r in refs] == [0, 0, 1] and refs[0].ref == refs[2].ref != refs[1].ref  # one object per node
+    shards = [r.fetch(timeout_s=30) for r in refs]
+    assert [s.rank for s in shards] == [0, 1, 2] and [s.rank for s in ray.get(refs[0].ref)] == [0, 2]
+    assert call(scheduler.get_shard, 0, 2).fetch(timeout_s=30).rollout_ids == shards[2].rollout_ids
+    assert sum(len(rollouts_of([s])) for s in shards) >= 6 and sum(s.num_samples for s in shards) == \
+        sum(len(r) for r in many_rollouts(6, seed=4, max_samples=2))
+
+
 def test_drop_policy_emits_24_and_records_8_dropped(scheduler_factory):
     scheduler = scheduler_factory("sched-drop", batch=BatchConfig(global_batch_size=24, max_tokens_per_gpu=64, leftover="drop"))
     call(scheduler.register_train_group, ParallelConfig(dp_size=2))
