@@ -36,7 +36,13 @@ and 58-59 at 2M, and the private memory grew 48 and 40 bytes per rollout from 1M
 lookups in one call, a step's settles in one call, samples built without the frozen __init__,
 group advantages in plain floats; which of these matters was not isolated), two runs at load ~2:
 300k -> 1M grew 35.9 and 35.4 bytes per rollout (table 32.9), 100k -> 1M 43.7 and 43.3; pymalloc
-held 62-63 arenas at 100k and 67-68 at 1M with its live blocks flat (40.7-40.8 MiB).
+held 62-63 arenas at 100k and 67-68 at 1M with its live blocks flat (40.7-40.8 MiB). A third run,
+beside a CI run (load ~6), grew 158.5 bytes per rollout from 300k to 1M with pymalloc's arenas
+73 -> 141 MiB: the starved consumer let emitted, unacknowledged steps pile up (nothing bounded them),
+their samples raised the allocator's high-water mark, and freed arenas stay mapped while a few
+blocks in each live on. With MAX_STEPS_AHEAD = 2 (since then the setting here; a job sets
+`scheduler.max_steps_ahead`, e.g. jobs/configs/cluster_16gpu.yaml), beside the same CI run: 44.5
+bytes per rollout from 300k to 1M, arenas 69 -> 72 MiB.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ BATCH = 1000
 GBS = 5000
 DP_SIZE = 8
 MAX_BUFFERED = 4 * GBS
+MAX_STEPS_AHEAD = 2
 CHECKPOINTS = (10_000, 100_000, 300_000, 1_000_000)
 TIMEOUT_S = 600
 
@@ -131,11 +138,14 @@ def main() -> None:
     ray.init(address="local", num_cpus=8, include_dashboard=False, object_store_memory=512 << 20,
              logging_level="ERROR", log_to_driver=False)
     try:
-        # Backpressure bounds the buffer as in a real run, so what grows is what the scheduler keeps per
-        # settled rollout, not a backlog of unscheduled samples.
+        # Backpressure bounds the buffer and the steps emitted ahead of the consumer as in a real run, so
+        # what grows is what the scheduler keeps per settled rollout, not a backlog: without
+        # max_steps_ahead a consumer slowed by a loaded machine lets unacknowledged steps (their
+        # samples) pile up, and the allocator's high-water mark with them.
         scheduler = create_scheduler(SchedulerConfig(
             batch=BatchConfig(global_batch_size=GBS, max_tokens_per_gpu=4096, leftover="drop"),
-            intake=IntakeConfig(max_buffered_samples=MAX_BUFFERED)), name="bench-memory")
+            intake=IntakeConfig(max_buffered_samples=MAX_BUFFERED), max_steps_ahead=MAX_STEPS_AHEAD),
+            name="bench-memory")
         ray.get(scheduler.register_train_group.remote(ParallelConfig(dp_size=DP_SIZE)), timeout=TIMEOUT_S)
         pid = ray.get(scheduler.__ray_call__.remote(lambda self: os.getpid()), timeout=TIMEOUT_S)
         consumer = ray.remote(Consumer).options(num_cpus=0).remote(scheduler)
