@@ -15,6 +15,7 @@ from vgbs_ray.config import BatchConfig
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.intake import IntakeConfig
 from vgbs_ray.ledger import LedgerSummary, Rejection
+from vgbs_ray.shard import StepShard
 from vgbs_ray.staleness import AdmissionDecision
 
 __all__ = [
@@ -136,7 +137,7 @@ class ShardRef:
     index: int | None = None
     num_rollouts: int = 0
 
-    def fetch(self, timeout_s: float | None = None):
+    def fetch(self, timeout_s: float | None = None) -> StepShard:
         """This rank's StepShard (zero-copy arrays from the node's object store)."""
         value = ray.get(self.ref, timeout=timeout_s)
         return value if self.index is None else value[self.index]
