@@ -32,8 +32,8 @@ a waiting push with its already-read Samples: all within the run-to-run spread (
 It is a high-water mark, not a rate: in two runs to 2M (same pushes) pymalloc held 58 arenas at 1M
 and 58-59 at 2M, and the private memory grew 48 and 40 bytes per rollout from 1M to 2M (table: 34).
 
-2026-12-01, after the push path stopped making most of its per-sample temporaries (a push's settled
-lookups in one call, a step's settles in one call, samples built without the frozen __init__,
+2026-12-01, after the push path stopped making most of its per-sample temporaries (settled-id lookups
+by bisect without numpy scalars, a step's settles in one call, samples built without the frozen __init__,
 group advantages in plain floats; which of these matters was not isolated), two runs at load ~2:
 300k -> 1M grew 35.9 and 35.4 bytes per rollout (table 32.9), 100k -> 1M 43.7 and 43.3; pymalloc
 held 62-63 arenas at 100k and 67-68 at 1M with its live blocks flat (40.7-40.8 MiB). A third run,

@@ -29,7 +29,6 @@ def test_lifecycle_and_summary():
     assert ledger.get("a").step == 0 and ledger.get("c").reason == "leftover"
     assert dict(ledger.entries()) == {
         "a": ledger.get("a"), "b": ledger.get("b"), "c": ledger.get("c"), "d": ledger.get("d")}
-    assert ledger.get_many(["a", "c", "d", "x"]) == {"a": ledger.get("a"), "c": ledger.get("c"), "d": ledger.get("d")}
 
 
 def test_recent_rejections_are_bounded_and_counts_exact():
@@ -103,10 +102,6 @@ def test_settled_ids_are_exact_across_merges_and_collisions(monkeypatch):
     with pytest.raises(KeyError):
         table.add("r1", step=0)
     assert [rid for rid, _ in table][:3] == [0, "r1", "r2"]
-    # get_many (one push's lookups at once) answers exactly what get answers, index and recent alike.
-    probe = [f"r{i}" for i in range(120)] + list(range(120)) + ["0", "fresh"]
-    assert table.get_many(probe) == {v: table.get(v) for v in probe if table.get(v) is not None}
-    assert table.get_many([]) == {} and SettledIds().get_many(["r1"]) == {}
     # add_many (a step's ids at once) refuses, adding none, an id settled before or listed twice.
     size = len(table)
     for bad in (["n1", "r5"], ["n1", "n2", "n1"]):
@@ -124,7 +119,6 @@ def test_settled_ids_are_exact_across_merges_and_collisions(monkeypatch):
         colliding.add(f"c{i}", step=i)
     assert [colliding.get(f"c{i}") for i in range(20)] == [("trained", i, None) for i in range(20)]
     assert colliding.get("c20") is None
-    assert colliding.get_many(["c3", "c20", "c19"]) == {"c3": ("trained", 3, None), "c19": ("trained", 19, None)}
 
 
 def test_settled_ledger_grows_a_few_tens_of_bytes_per_rollout():

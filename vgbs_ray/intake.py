@@ -44,7 +44,7 @@ from typing import Any, Hashable, Sequence
 
 from vgbs_ray.advantages import DEFAULT_EPS, group_advantages, is_uniform_group
 from vgbs_ray.errors import ConfigError, RolloutValidationError
-from vgbs_ray.ledger import Ledger, LedgerEntry, Rejection, RolloutState
+from vgbs_ray.ledger import Ledger, Rejection, RolloutState
 from vgbs_ray.sample import Sample, check_sibling, validate_sample
 from vgbs_ray.settled_ids import SettledIds
 
@@ -222,11 +222,8 @@ class RolloutIntake:
             self._reject_push(out, rows, f"{push_tokens} tokens in one push exceed max_tokens_per_push={c.max_tokens_per_push}")
             return out
         deferring = False
-        # An open rollout is never closed. The others are looked up in the ledger all at once; a known
-        # one again as its turn comes (an earlier rollout of this push may have dropped its group).
-        known = self.ledger.get_many(rid for rid in by_rollout if rid not in self._open)
         for rid, items in by_rollout.items():
-            closed = None if rid in self._open else self._closed_reason(rid, self.ledger.get(rid) if rid in known else None)
+            closed = None if rid in self._open else self._closed_reason(rid)  # an open rollout is never closed
             if rid not in self._open and not closed:
                 group_open = items[0][1].group_id in self._groups
                 if not group_open:
@@ -238,8 +235,9 @@ class RolloutIntake:
             self._ingest_rollout(rid, [s for _, s in items], now, out, closed)
         return out
 
-    def _closed_reason(self, rid, entry: LedgerEntry | None) -> str | None:
-        """Why a sample of `rid` (not open; `entry` its ledger entry) can no longer be accepted, or None."""
+    def _closed_reason(self, rid) -> str | None:
+        """Why a sample of `rid` (not open) can no longer be accepted, or None."""
+        entry = self.ledger.get(rid)
         state = None if entry is None else entry.state
         if state in (RolloutState.SCHEDULED, RolloutState.TRAINED):
             return f"already_scheduled: rollout is {state.value} in step {entry.step}"

@@ -114,19 +114,6 @@ class Ledger:
         state, step, reason = settled
         return LedgerEntry(RolloutState(state), step=step, reason=reason)
 
-    def get_many(self, rollout_ids: Iterable[Hashable]) -> dict[Hashable, LedgerEntry]:
-        """`get` for many ids (one push's): {id: entry} for those the ledger knows."""
-        found, unknown = {}, []
-        for rid in rollout_ids:
-            entry = self._live.get(rid)
-            if entry is not None:
-                found[rid] = entry
-            else:
-                unknown.append(rid)
-        for rid, (state, step, reason) in self._settled.get_many(unknown).items():
-            found[rid] = LedgerEntry(RolloutState(state), step=step, reason=reason)
-        return found
-
     def state(self, rollout_id: Hashable) -> RolloutState | None:
         entry = self.get(rollout_id)
         return None if entry is None else entry.state

@@ -119,7 +119,7 @@ class SettledIds:
         keys = [hash(data) & _MASK64 for data in encoded]
         if len(set(encoded)) != len(encoded):
             raise KeyError(f"ids listed twice in one add_many: {[v for v, n in Counter(values).items() if n > 1][:3]!r}")
-        again = [v for v, position in zip(values, self._find_many(encoded, keys)) if position is not None]
+        again = [v for v, data, key in zip(values, encoded, keys) if self._find(data, key) is not None]
         if again:
             raise KeyError(f"id {again[0]!r} is already settled")
         code = self._reason_code(reason)
@@ -136,13 +136,6 @@ class SettledIds:
         self._num_recent += len(values)
         if self._num_recent >= MERGE_EVERY:
             self._merge_recent()
-
-    def get_many(self, values: Iterable[Hashable]) -> dict[Hashable, tuple[str, int | None, str | None]]:
-        """`get` for many ids at once (a push's): {id: state} for those that settled, the others absent."""
-        values = list(values)
-        encoded = [encode_id(v) for v in values]
-        positions = self._find_many(encoded, [hash(data) & _MASK64 for data in encoded])
-        return {v: self._state_at(p) for v, p in zip(values, positions) if p is not None}
 
     def __contains__(self, value: Hashable) -> bool:
         return self.get(value) is not None
@@ -238,9 +231,6 @@ class SettledIds:
                 return position
             index += 1
         return None
-
-    def _find_many(self, encoded: list[bytes], keys: list[int]) -> list[int | None]:
-        return [self._find(data, key) for data, key in zip(encoded, keys)]
 
     def _reason_code(self, reason: str | None) -> int:
         code = self._reason_codes.get(reason)
