@@ -279,7 +279,8 @@ class SchedulerActor:
             return None
         if not 0 <= rank < len(slot.refs):  # the train group registered while this call waited
             raise ConfigError(f"rank {rank} is outside dp_size={len(slot.refs)}")
-        return ShardRef(step, rank, *slot.refs[rank], num_rollouts=len(slot.rollouts))
+        ref, index = slot.refs[rank]
+        return ShardRef(step, rank, ref, len(slot.rollouts), index)
 
     async def get_step(self, step: int, timeout_s: float = 60.0) -> list[ShardRef] | None:
         """`get_shard` for every DP rank of `step` at once, in rank order: what a train group's driver
@@ -288,7 +289,7 @@ class SchedulerActor:
         slot = await self._wait_for_step(step, timeout_s, f"step {step}")
         if slot is None:
             return None
-        return [ShardRef(step, rank, *where, num_rollouts=len(slot.rollouts)) for rank, where in enumerate(slot.refs)]
+        return [ShardRef(step, rank, ref, len(slot.rollouts), index) for rank, (ref, index) in enumerate(slot.refs)]
 
     async def _wait_for_step(self, step: int, timeout_s: float, who: str) -> _StepSlot | None:
         """The slot of `step` once emitted; None once input ended and it never will be (see get_shard)."""

@@ -134,8 +134,8 @@ class ShardRef:
     step: int
     rank: int
     ref: ray.ObjectRef
+    num_rollouts: int
     index: int | None = None
-    num_rollouts: int = 0
 
     def fetch(self, timeout_s: float | None = None) -> StepShard:
         """This rank's StepShard (zero-copy arrays from the node's object store)."""
