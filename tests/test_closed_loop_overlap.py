@@ -10,18 +10,18 @@ What is asserted, and why none of it races:
   sampled by weights older than the step's, i.e. while the trainer was still training (or the
   engine loading) the previous version. That is the overlap itself, observed from the ledger,
   not from a clock.
-- the trainer waits less (event-based): a step formed before the trainer asks for it costs the
-  trainer no wait at all; checked at each step's start (has the scheduler emitted it?). At 0
-  that does not happen: step k+1 needs rollouts sampled entirely at version k+1, which exists
-  only once step k trained and was published, so the step is formed a weight load, an admission
-  retry (50 ms) and a whole generation round (both turns) after the publish, while the trainer
-  asks for it a few local calls after it. At 1 the next step's rollouts are sampled while the
-  current one trains, so some steps are ready when asked (measured: 3-4 of 14 here, 10-11 of 25 at
-  the demo's gbs 64 in bench_closed_loop.py). The assertion compares counts, not clocks; the
-  summed shard waits (`shard_wait_s`) are printed, not asserted: on the shared 2-core machine
-  two runs measured 2.88 vs 2.73 s and 3.45 vs 1.37 s (max_staleness 0 vs 1, steps 2..15).
-  Training and sampling share the same two cores and a generation round of this tiny model
-  (~0.2 s) is about as long as a decoupled-PPO step, so a timing assertion would flake.
+- the next step forms while the trainer holds the current one (event-gated): at max_staleness 1,
+  before step HOLD trains, the job waits (on the scheduler's `get_step`, no clock) until step
+  HOLD + 1 is formed. It must form: producers may sample it with the weights of version HOLD (or
+  older), at staleness 1 for it, while version HOLD + 1 does not exist yet. So every rollout of step
+  HOLD + 1 has staleness exactly 1 (at least 1 since it was sampled before HOLD + 1 was published,
+  at most 1 by the bound), and the trainer then finds it formed before it asks. At 0 such a hold
+  would never end (step HOLD + 1 needs version HOLD + 1), so it is not tried: the on-policy run's
+  staleness 0 is the structural check there. How often a step is formed before the trainer asks in
+  an unheld run, and the summed shard waits (`shard_wait_s`), are printed, not asserted: they
+  depend on how fast sampling runs against training on the shared machine (one CI run found no
+  step ready ahead at either bound). benchmarks/bench_closed_loop.py measures them at the demo's
+  size (10-11 of 25 steps ready ahead at max_staleness 1, none at 0).
 - stale drops: under 5% of the rollouts finished after warm-up at max_staleness 1 (admission
   control starts a group only if it can still be trained in time); the engines' idle share and
   the trainer's idle share are fractions in [0, 1].
@@ -42,7 +42,8 @@ from jobs.train import train
 
 pytestmark = pytest.mark.slow
 
-STEPS, WARM_UP = 16, 2
+STEPS, WARM_UP, HOLD = 16, 2, 8
+HOLD_TIMEOUT_S = 600  # generous: the hold ends on an event (step HOLD + 1 formed), never on this clock
 SMALL = ["scheduler.batch.global_batch_size=32", "closed_loop.groups_in_flight=4", "closed_loop.dataset_prompts=0",
          f"run.num_steps={STEPS}", "run.checkpoint_every=0", "run.max_failures=0", "run.plot=false"]
 CONFIGS = {0: ["train.loss.off_policy.max_staleness=0", "train.loss.off_policy.policy_loss=ppo"],
@@ -55,6 +56,8 @@ def run_job(out, max_staleness: int) -> dict:
     at_warm_up, formed_before_asked = {}, {}
 
     def on_event(event, step, controller):
+        if event == "step_started" and step == HOLD and max_staleness == 1:
+            assert ray.get(controller.scheduler.get_step.remote(HOLD + 1, HOLD_TIMEOUT_S)) is not None
         if event == "step_started":
             formed_before_asked[step] = ray.get(controller.scheduler.stats.remote(), timeout=60).steps_emitted > step
         if event == "step_trained" and step == WARM_UP - 1:
@@ -88,12 +91,16 @@ def test_on_policy_trains_only_fresh_rollouts_and_staleness_1_trains_rollouts_sa
     assert share > 0.1, f"only {share:.1%} of the trained rollouts were sampled during the previous step"
 
 
-def test_the_trainer_waits_less_when_sampling_overlaps_training(runs):
+def test_at_staleness_1_the_next_step_forms_while_the_trainer_holds_the_current_one(runs):
     ready = {s: sum(runs[s]["formed_before_asked"][k] for k in range(WARM_UP, STEPS)) for s in CONFIGS}
     waits = {s: round(sum(r["shard_wait_s"] for r in runs[s]["records"][WARM_UP:]), 2) for s in CONFIGS}
-    print(f"steps {WARM_UP}..{STEPS - 1} formed before the trainer asked: {ready}; summed shard waits (s): {waits}")
+    print(f"steps {WARM_UP}..{STEPS - 1} formed before the trainer asked (step {HOLD + 1} held for at "
+          f"max_staleness 1): {ready}; summed shard waits (s): {waits}")
     assert all(r["shard_wait_s"] >= 0 for s in CONFIGS for r in runs[s]["records"])
-    assert ready[1] > ready[0], ready  # ready[0] is 0 (see module docstring): some step was ready at 1
+    assert runs[1]["formed_before_asked"][HOLD + 1]
+    after_hold = runs[1]["records"][HOLD + 1]
+    assert after_hold["step"] == HOLD + 1
+    assert after_hold["staleness_mean"] == after_hold["staleness_max"] == 1, after_hold
 
 
 def test_few_finished_rollouts_are_dropped_as_stale_and_idle_shares_are_reported(runs):
