@@ -135,7 +135,7 @@ def _split_up(result: list[list[int]], sizes: np.ndarray, target: int) -> list[l
     if len(result) >= target:
         return result
     size_list = sizes.tolist()
-    heap = [(-sum(size_list[i] for i in b), j) for j, b in enumerate(result) if len(b) > 1]
+    heap = [(-sum(map(size_list.__getitem__, b)), j) for j, b in enumerate(result) if len(b) > 1]
     heapq.heapify(heap)
     while len(result) < target:
         _, i = heapq.heappop(heap)

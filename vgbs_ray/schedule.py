@@ -111,12 +111,12 @@ class DPSchedule:
         partitions: list[list[int]] = [[] for _ in range(dp_size)]
         micro_batch_indices: list[list[list[int]]] = [[] for _ in range(dp_size)]
         for step in steps:
-            for rank in range(dp_size):
-                offset = len(partitions[rank])
-                micro_batch_indices[rank].extend(
-                    [offset + p for p in mb] for mb in step.micro_batch_indices(rank)
-                )
-                partitions[rank].extend(step.partition(rank))
+            for rank, rank_bins in enumerate(step.rank_micro_batches):
+                partition, positions = partitions[rank], micro_batch_indices[rank]
+                for mb in rank_bins:
+                    start = len(partition)
+                    positions.append(list(range(start, start + len(mb))))
+                    partition.extend(mb)
         return cls(
             steps=tuple(steps),
             leftover_rollout_ids=tuple(leftover_rollout_ids),
@@ -131,7 +131,11 @@ def group_by_rollout(rollout_ids: Sequence[Hashable]) -> dict[Hashable, list[int
     """Sample indices per rollout id; dict order is the rollouts' first-arrival order."""
     groups: dict[Hashable, list[int]] = {}
     for index, rollout_id in enumerate(rollout_ids):
-        groups.setdefault(rollout_id, []).append(index)
+        indices = groups.get(rollout_id)
+        if indices is None:  # not setdefault: that builds a list for every sample
+            groups[rollout_id] = [index]
+        else:
+            indices.append(index)
     return groups
 
 
@@ -164,10 +168,8 @@ def layout_step(
         bins, lengths, weights, parallel.dp_size,
         mode=batch.balance, capacity=capacity, allow_moves=batch.is_dynamic,
     )
-    global_index = sample_indices.tolist()
-    rank_micro_batches = tuple(
-        tuple(tuple([global_index[p] for p in mb]) for mb in rank_bins) for rank_bins in ranks
-    )
+    to_global = sample_indices.tolist().__getitem__
+    rank_micro_batches = tuple(tuple(tuple(map(to_global, mb)) for mb in rank_bins) for rank_bins in ranks)
     return StepLayout(rollout_ids=tuple(rollout_ids), rank_micro_batches=rank_micro_batches)
 
 
