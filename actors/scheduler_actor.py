@@ -188,7 +188,7 @@ class SchedulerActor:
         self._changed: _Signal | None = None     # any change the emitter or a waiting submit cares about
         self._published: _Signal | None = None   # a step was published, the stream ended, or a failure
         self._emitter: asyncio.Task | None = None
-        self._gauge_refresher: asyncio.Task | None = None
+        self._metrics_publisher: asyncio.Task | None = None
         self._acting: asyncio.Lock | None = None       # held by the emitter while it carries out an action, and by rewind
         self._layout_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-layout")
         # Staleness (config.max_staleness): the window's steps_formed is the step counter (step k
@@ -224,8 +224,7 @@ class SchedulerActor:
             self.window.add_pending(state.intake.rollout_ids)
         self._accepted, self._rejected = state.accepted_samples, state.rejected_samples
         self._rollouts_seen = len(state.intake.ready)
-        self._refresh_gauges()
-        self.metrics.on_policy_version(state.next_step)
+        self._publish_metrics()
         self.log.info("%s: restored at step %d: %d settled rollouts, %d untrained back in the buffer",
                       self.name, state.next_step, len(settled), state.num_live_rollouts)
 
@@ -235,7 +234,7 @@ class SchedulerActor:
             self._changed, self._published = _Signal(), _Signal()
             self._acting = asyncio.Lock()
             self._emitter = asyncio.get_running_loop().create_task(self._emit_loop())
-            self._gauge_refresher = asyncio.get_running_loop().create_task(self._refresh_gauges_loop())
+            self._metrics_publisher = asyncio.get_running_loop().create_task(self._publish_metrics_loop())
 
     # -- train side ------------------------------------------------------------------
     async def register_train_group(self, parallel: ParallelConfig, advertise_layout: bool = True,
@@ -349,7 +348,6 @@ class SchedulerActor:
             self._trained_records += 1
             self._trim_records()
         self._steps_trained += 1
-        self._refresh_gauges()
         self._changed.notify()  # admission may reopen (max_steps_ahead)
         return True
 
@@ -383,7 +381,7 @@ class SchedulerActor:
                 self._request_flush("end_of_input", end_of_input=True)
             self.log.warning("%s: rewound to step %d: %d rollouts back in front of the buffer",
                              self.name, next_step, len(rollouts))
-            self._refresh_gauges()
+            self._publish_metrics()
             self._changed.notify()
             return len(rollouts)
 
@@ -405,7 +403,7 @@ class SchedulerActor:
             self._input_closed = self._ended = True
             self._published.notify()
             self._changed.notify()
-            self._refresh_gauges()
+            self._publish_metrics()
             return len(dropped)
 
     # -- checkpoints -------------------------------------------------------------------
@@ -590,9 +588,10 @@ class SchedulerActor:
 
     async def close(self) -> None:
         """Stop the emitter (the actor may then be killed)."""
-        for task in (self._emitter, self._gauge_refresher):
+        for task in (self._emitter, self._metrics_publisher):
             if task is not None:
                 task.cancel()
+        self._publish_metrics()
         self._layout_thread.shutdown(wait=False, cancel_futures=True)
 
     # -- internals: intake ---------------------------------------------------------------
@@ -765,7 +764,7 @@ class SchedulerActor:
             raise
         finally:
             pending.done.set()
-            self._refresh_gauges()
+            self._publish_metrics()
 
     def _drop_stale(self, rollout_ids) -> None:
         """Rule 1: ready rollouts too old for the next step (so for every later one) are dropped."""
@@ -824,11 +823,9 @@ class SchedulerActor:
         self._records[step] = record
         self._trim_records()
         self._next_step += 1
-        self.metrics.on_policy_version(self._next_step)  # here, not in _refresh_gauges: that also runs on a timer
         self._partial_steps += record.partial
         self._padded_steps += record.padding_microbatches > 0
         self.metrics.on_step(record)
-        self._refresh_gauges()
         self._published.notify()
         if record.layout != self._last_decision:
             self._last_decision = record.layout
@@ -889,7 +886,6 @@ class SchedulerActor:
         self.intake.return_front(rollouts)
         self._replay.update(r.rollout_id for r in rollouts)
         self._next_step = next_step
-        self.metrics.on_policy_version(next_step)
         if self.window is not None:
             self.window.steps_formed = next_step
         self._steps_trained = min(self._steps_trained, next_step)
@@ -908,16 +904,18 @@ class SchedulerActor:
             del self._records[step]
             self._trained_records -= 1
 
-    async def _refresh_gauges_loop(self) -> None:
-        """The buffer gauges, every GAUGE_REFRESH_S (steps, acks and flushes also set them): a push
-        changes them too, but three Ray gauge writes per push cost more than ingesting its samples."""
+    async def _publish_metrics_loop(self) -> None:
+        """The metrics every GAUGE_REFRESH_S (and at restores, rewinds, flushes and close): pushes, steps
+        and acks only buffer theirs (actors/scheduler_metrics.py says why)."""
         while True:
-            self._refresh_gauges()
+            self._publish_metrics()
             await asyncio.sleep(GAUGE_REFRESH_S)
 
-    def _refresh_gauges(self) -> None:
-        self.metrics.on_buffer(self.intake.num_buffered_rollouts, self.intake.buffered_samples,
-                               self._next_step - self._steps_trained)
+    def _publish_metrics(self) -> None:
+        self.metrics.on_state(buffered_rollouts=self.intake.num_buffered_rollouts,
+                              buffered_samples=self.intake.buffered_samples,
+                              steps_in_flight=self._next_step - self._steps_trained, policy_version=self._next_step)
+        self.metrics.publish()
 
 
 def create_scheduler(config: SchedulerConfig, name: str = DEFAULT_NAME, *, namespace: str | None = None,
