@@ -104,7 +104,7 @@ def test_settled_ids_are_exact_across_merges_and_collisions(monkeypatch):
     assert [rid for rid, _ in table][:3] == [0, "r1", "r2"]
     # add_many (a step's ids at once) refuses, adding none, an id settled before or listed twice.
     size = len(table)
-    for bad in (["n1", "r5"], ["n1", "n2", "n1"]):
+    for bad in (["n1", "r5"], ["n1", "r98"], ["n1", "n2", "n1"]):  # r5 in the sorted index, r98 in the recent ones
         with pytest.raises(KeyError):
             table.add_many(bad, step=11)
         assert len(table) == size and table.get("n1") is None

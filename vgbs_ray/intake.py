@@ -255,6 +255,18 @@ class RolloutIntake:
             for s in samples:
                 self._reject(out, rid, s.sample_index, rule, f"{detail}; a late sample is never trained")
             return
+        if rid not in self._open and len(samples) == 1 and samples[0].rollout_size in (None, 1):
+            # A one-sample rollout (most pushes): the checks of both paths below, without an _Open.
+            sample = samples[0]
+            try:
+                self._check_new_rollout(sample)
+            except RolloutValidationError as e:
+                self._reject(out, rid, sample.sample_index, e.rule, e.detail)
+                return
+            self._buffer(rid, sample, out)
+            out.completed.append(rid)
+            self._complete(rid, (sample,), now, out)
+            return
         if rid not in self._open and samples[0].rollout_size is None:
             # A whole rollout in this call: accept or reject it as a unit.
             try:
@@ -313,20 +325,24 @@ class RolloutIntake:
 
     def _accept(self, rid, entry: _Open, sample: Sample, now: float, out: IngestOutcome) -> None:
         """Buffer a sample that passed every check; complete its rollout when it is the last."""
+        entry.samples[sample.sample_index] = sample
+        self._buffer(rid, sample, out)
+        if len(entry.samples) == entry.expected:
+            del self._open[rid]
+            out.completed.append(rid)
+            self._complete(rid, tuple(entry.samples[i] for i in sorted(entry.samples)), now, out)
+
+    def _buffer(self, rid, sample: Sample, out: IngestOutcome) -> None:
+        """Count an accepted sample: its group's members, the ledger, the buffer's bounds."""
         if sample.group_id is not None:
             group = self._groups.get(sample.group_id)
             if group is None:  # not setdefault: that would build a _Group for every sample
                 group = self._groups[sample.group_id] = _Group(size=sample.group_size)
             group.members.add(rid)
-        entry.samples[sample.sample_index] = sample
         self.ledger.accept_sample(rid)
         self.buffered_samples += 1
         self.buffered_tokens += sample.total_length
         out.accepted += 1
-        if len(entry.samples) == entry.expected:
-            del self._open[rid]
-            out.completed.append(rid)
-            self._complete(rid, tuple(entry.samples[i] for i in sorted(entry.samples)), now, out)
 
     def _complete(self, rid, samples: tuple[Sample, ...], now: float, out: IngestOutcome) -> None:
         first = samples[0]
@@ -356,7 +372,7 @@ class RolloutIntake:
                 self.ledger.drop(rid, UNIFORM_GROUP_REASON)
                 out.dropped.append((rid, UNIFORM_GROUP_REASON))
                 continue
-            advantaged = tuple(s.with_advantage(advantages[rid]) for s in samples)
+            advantaged = tuple([s.with_advantage(advantages[rid]) for s in samples])
             self._ready[rid] = ReadyRollout(rid, advantaged, completed_at=completed_at, ready_at=now)
 
     def _reject(self, out: IngestOutcome, rid, sample_index, rule: str, message: str) -> None:

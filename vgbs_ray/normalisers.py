@@ -15,17 +15,12 @@ import numpy as np
 
 
 def rollout_mask_sums(rollout_ids: Sequence[Hashable], loss_masks: Sequence[Sequence[int]]) -> np.ndarray:
-    """For each sample, the number of loss-mask tokens over every sample of its rollout (int64)."""
-    lengths = np.fromiter((len(m) for m in loss_masks), dtype=np.int64, count=len(loss_masks))
-    per_sample = np.zeros(len(lengths), dtype=np.int64)
-    nonempty = lengths > 0
-    if nonempty.any():
-        # One pass over the step's masks (a reduction per sample costs ~2 us of call overhead each);
-        # reduceat needs the empty masks left out (it would read the next sample's first value).
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])[nonempty]
-        masks = np.concatenate([np.asarray(m) for m in loss_masks])
-        per_sample[nonempty] = np.add.reduceat(masks, starts, dtype=np.int64)
+    """For each sample, the number of loss-mask tokens over every sample of its rollout (int64).
+
+    Masks hold 0/1 (the data contract): a mask's sum is its count of non-zeros, which numpy counts
+    without a reduction (~0.5 us for a thousand-token mask, a few times less than `sum`)."""
     totals: dict[Hashable, int] = {}
-    for rollout_id, count in zip(rollout_ids, per_sample.tolist()):
+    per_sample = [int(np.count_nonzero(mask)) for mask in loss_masks]
+    for rollout_id, count in zip(rollout_ids, per_sample):
         totals[rollout_id] = totals.get(rollout_id, 0) + count
     return np.array([totals[r] for r in rollout_ids], dtype=np.int64)

@@ -29,7 +29,9 @@ Rules (each has a name that errors carry in `RolloutValidationError.rule`):
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Hashable, Sequence
 
 import numpy as np
@@ -64,8 +66,9 @@ class Sample:
     """Newest such version (differs from the oldest when generation spanned a weight update)."""
     metadata: dict[str, Any] = field(default_factory=dict)
 
-    @property
+    @cached_property
     def total_length(self) -> int:
+        """Tokens (prompt + response). Cached: the intake, the layout and the shards each ask, per sample."""
         return int(len(self.tokens))
 
     @classmethod
@@ -76,7 +79,7 @@ class Sample:
         RolloutValidationError (missing_field, wrong_type) when the row cannot be read as a
         sample; the other rules are `validate_sample`'s.
         """
-        if not row.keys() >= _REQUIRED_KEYS or any(row[k] is None for k in _REQUIRED_FIELDS):
+        if not row.keys() >= _REQUIRED_KEYS or any(map(operator.is_, _required_values(row), _NO_VALUES)):
             # A Ray Data row carries a missing column as None.
             missing = [k for k in _REQUIRED_FIELDS if row.get(k) is None]
             raise RolloutValidationError(
@@ -144,6 +147,8 @@ class Sample:
 # Tuples and frozensets built once: `from_dict` runs for every pushed sample.
 _REQUIRED_FIELDS = ("rollout_id", "tokens", "response_length", "loss_mask", "reward")
 _REQUIRED_KEYS = frozenset(_REQUIRED_FIELDS)
+_required_values = operator.itemgetter(*_REQUIRED_FIELDS)   # with `_NO_VALUES`: "is any None?" in C
+_NO_VALUES = (None,) * len(_REQUIRED_FIELDS)
 _SAMPLE_FIELDS = frozenset(Sample.__dataclass_fields__)
 
 

@@ -119,7 +119,8 @@ class SettledIds:
         keys = [hash(data) & _MASK64 for data in encoded]
         if len(set(encoded)) != len(encoded):
             raise KeyError(f"ids listed twice in one add_many: {[v for v, n in Counter(values).items() if n > 1][:3]!r}")
-        again = [v for v, data, key in zip(values, encoded, keys) if self._find(data, key) is not None]
+        candidates = self._maybe_present(keys)
+        again = [v for v, data, key in zip(values, encoded, keys) if key in candidates and self._find(data, key) is not None]
         if again:
             raise KeyError(f"id {again[0]!r} is already settled")
         code = self._reason_code(reason)
@@ -231,6 +232,16 @@ class SettledIds:
                 return position
             index += 1
         return None
+
+    def _maybe_present(self, keys: list[int]) -> set[int]:
+        """Of `keys`, those that some settled id hashes to (a superset of the settled ones among
+        them): one vectorised search for a whole step's ids instead of one bisect per id."""
+        found = self._recent.keys() & set(keys)
+        if self._hashes.size:
+            wanted = np.array(keys, dtype=np.uint64)
+            at = np.minimum(np.searchsorted(self._hashes, wanted), self._hashes.size - 1)
+            found.update(wanted[self._hashes[at] == wanted].tolist())
+        return found
 
     def _reason_code(self, reason: str | None) -> int:
         code = self._reason_codes.get(reason)
