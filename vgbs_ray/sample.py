@@ -92,12 +92,16 @@ class Sample:
             rollout_id = rollout_id.item()
         log_probs = row.get("rollout_log_probs")
         read = _FieldReader(rollout_id, row.get("sample_index"))
+        tokens = read.int_array(row["tokens"], "tokens")
+        if tokens.dtype is not _INT64:
+            tokens = tokens.astype(np.int64)
         # Built without the frozen __init__ (14 object.__setattr__ calls, a third of this method,
         # which runs for every pushed sample): every field is given and typed right here.
         sample = object.__new__(cls)
         sample.__dict__.update(
             rollout_id=rollout_id,
-            tokens=read.int_array(row["tokens"], "tokens").astype(np.int64, copy=False),
+            tokens=tokens,
+            total_length=len(tokens),  # total_length's cache, set here: 3.11's cached_property takes a lock
             response_length=read.integer(row["response_length"], "response_length"),
             loss_mask=read.int_array(row["loss_mask"], "loss_mask"),
             reward=read.number(row["reward"], "reward"),
@@ -149,6 +153,7 @@ _REQUIRED_FIELDS = ("rollout_id", "tokens", "response_length", "loss_mask", "rew
 _REQUIRED_KEYS = frozenset(_REQUIRED_FIELDS)
 _required_values = operator.itemgetter(*_REQUIRED_FIELDS)   # with `_NO_VALUES`: "is any None?" in C
 _NO_VALUES = (None,) * len(_REQUIRED_FIELDS)
+_INT64 = np.dtype(np.int64)
 _SAMPLE_FIELDS = frozenset(Sample.__dataclass_fields__)
 
 
