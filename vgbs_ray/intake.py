@@ -256,7 +256,7 @@ class RolloutIntake:
                 self._reject(out, rid, s.sample_index, rule, f"{detail}; a late sample is never trained")
             return
         if rid not in self._open and len(samples) == 1 and samples[0].rollout_size in (None, 1):
-            # A one-sample rollout (most pushes): the checks of both paths below, without an _Open.
+            # A one-sample rollout (the common case): the checks of both paths below, without an _Open.
             sample = samples[0]
             try:
                 self._check_new_rollout(sample)
