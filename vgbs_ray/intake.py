@@ -435,12 +435,11 @@ class RolloutIntake:
         They stay in the ledger as BUFFERED until the caller schedules or drops them and
         calls `settle`; meanwhile a late sample of one is rejected (already_scheduled).
         """
-        taken = []
-        while self._ready and len(taken) < count:
-            _, rollout = self._ready.popitem(last=False)
-            self._release(rollout.samples)
-            self._taken.add(rollout.rollout_id)
-            taken.append(rollout)
+        ready, taken = self._ready, []
+        while ready and len(taken) < count:
+            taken.append(ready.popitem(last=False)[1])
+        self._taken.update([rollout.rollout_id for rollout in taken])
+        self._release([sample for rollout in taken for sample in rollout.samples])  # once per step, not per rollout
         return taken
 
     def ready_rollouts(self):

@@ -93,7 +93,7 @@ class Sample:
         log_probs = row.get("rollout_log_probs")
         read = _FieldReader(rollout_id, row.get("sample_index"))
         tokens = read.int_array(row["tokens"], "tokens")
-        if tokens.dtype is not _INT64:
+        if tokens.dtype != _INT64:  # not `is`: an unpickled array carries its own dtype instance
             tokens = tokens.astype(np.int64)
         # Built without the frozen __init__ (14 object.__setattr__ calls, a third of this method,
         # which runs for every pushed sample): every field is given and typed right here.
