@@ -79,7 +79,7 @@ __all__ = [
 
 DEFAULT_NAME = "vgbs-scheduler"
 MAX_DATASET_ERRORS = 100
-GAUGE_REFRESH_S = 1.0
+METRICS_PUBLISH_S = 1.0
 
 # CPython's cyclic GC thresholds for the scheduler's own worker process (see below).
 _GC_THRESHOLDS = (50_000, 20, 100)
@@ -905,11 +905,11 @@ class SchedulerActor:
             self._trained_records -= 1
 
     async def _publish_metrics_loop(self) -> None:
-        """The metrics every GAUGE_REFRESH_S (and at restores, rewinds, flushes and close): pushes, steps
+        """The metrics every METRICS_PUBLISH_S (and at restores, rewinds, flushes and close): pushes, steps
         and acks only buffer theirs (actors/scheduler_metrics.py says why)."""
         while True:
             self._publish_metrics()
-            await asyncio.sleep(GAUGE_REFRESH_S)
+            await asyncio.sleep(METRICS_PUBLISH_S)
 
     def _publish_metrics(self) -> None:
         self.metrics.on_state(buffered_rollouts=self.intake.num_buffered_rollouts,

@@ -5,7 +5,7 @@ They appear on every node's metrics export port (Prometheus text, prefix `ray_`)
 gauges of the last emitted step (one series, not one per step) plus counters of totals.
 
 Writes are buffered: the `on_*` calls (per push, per step) only add to plain counts and keep
-the latest gauge values; `publish()` records them (the actor calls it every GAUGE_REFRESH_S and
+the latest gauge values; `publish()` records them (the actor calls it every METRICS_PUBLISH_S and
 on rare events). One Ray metric write cost the event loop 0.1-0.2 ms in the push benchmark, what
 ingesting five to ten samples costs, and the export to Prometheus is periodic anyway.
 """
