@@ -79,22 +79,38 @@ class Sample:
         RolloutValidationError (missing_field, wrong_type) when the row cannot be read as a
         sample; the other rules are `validate_sample`'s.
         """
-        if not row.keys() >= _REQUIRED_KEYS or any(map(operator.is_, _required_values(row), _NO_VALUES)):
+        (rollout_id, tokens, response_length, loss_mask, reward, sample_index, rollout_size, advantage, group_id,
+         group_size, log_probs, version_min, version_max, metadata) = _field_values({**_ABSENT, **row})
+        if rollout_id is None or tokens is None or response_length is None or loss_mask is None or reward is None:
             # A Ray Data row carries a missing column as None.
             missing = [k for k in _REQUIRED_FIELDS if row.get(k) is None]
-            raise RolloutValidationError(
-                row.get("rollout_id"), "missing_field", f"sample lacks required field(s) {missing}"
-            )
+            raise RolloutValidationError(rollout_id, "missing_field", f"sample lacks required field(s) {missing}")
         # Unknown keys are rare: test all keys at once in C, build `extra` only when there are some.
         extra = {} if row.keys() <= _SAMPLE_FIELDS else {k: v for k, v in row.items() if k not in _SAMPLE_FIELDS}
-        rollout_id = row["rollout_id"]
-        if isinstance(rollout_id, np.generic):
-            rollout_id = rollout_id.item()
-        log_probs = row.get("rollout_log_probs")
-        read = _FieldReader(rollout_id, row.get("sample_index"))
-        tokens = read.int_array(row["tokens"], "tokens")
+        if not (type(response_length) is int and type(reward) is float and type(rollout_id) in _PLAIN_IDS
+                and type(group_id) in _PLAIN_IDS and type(advantage) in _FLOAT_OR_NONE and advantage == advantage
+                and {type(sample_index), type(rollout_size), type(group_size), type(version_min),
+                     type(version_max)} <= _INT_OR_NONE):
+            # Not what producers send (then every scalar already has its type, and no float is NaN):
+            # numpy scalars, integral floats and NaN for a missing value (Ray Data columns), wrong types.
+            read = _FieldReader(rollout_id, sample_index)
+            if isinstance(rollout_id, np.generic):
+                rollout_id = rollout_id.item()
+            response_length = read.integer(response_length, "response_length")
+            reward = read.number(reward, "reward")
+            sample_index = read.optional_integer(sample_index, "sample_index")
+            rollout_size = read.optional_integer(rollout_size, "rollout_size")
+            advantage = read.optional_number(advantage, "advantage")
+            group_id = _optional_scalar(group_id)
+            group_size = read.optional_integer(group_size, "group_size")
+            version_min = read.optional_integer(version_min, "policy_version_min")
+            version_max = read.optional_integer(version_max, "policy_version_max")
+        if not _is_int_vector(tokens):
+            tokens = _FieldReader(rollout_id, sample_index).int_array(tokens, "tokens")
         if tokens.dtype != _INT64:  # not `is`: an unpickled array carries its own dtype instance
             tokens = tokens.astype(np.int64)
+        if not _is_int_vector(loss_mask):
+            loss_mask = _FieldReader(rollout_id, sample_index).int_array(loss_mask, "loss_mask")
         # Built without the frozen __init__ (14 object.__setattr__ calls, a third of this method,
         # which runs for every pushed sample): every field is given and typed right here.
         sample = object.__new__(cls)
@@ -102,18 +118,18 @@ class Sample:
             rollout_id=rollout_id,
             tokens=tokens,
             total_length=len(tokens),  # total_length's cache, set here: 3.11's cached_property takes a lock
-            response_length=read.integer(row["response_length"], "response_length"),
-            loss_mask=read.int_array(row["loss_mask"], "loss_mask"),
-            reward=read.number(row["reward"], "reward"),
-            sample_index=read.optional_integer(row.get("sample_index"), "sample_index") or 0,
-            rollout_size=read.optional_integer(row.get("rollout_size"), "rollout_size"),
-            advantage=read.optional_number(row.get("advantage"), "advantage"),
-            group_id=_optional_scalar(row.get("group_id")),
-            group_size=read.optional_integer(row.get("group_size"), "group_size"),
+            response_length=response_length,
+            loss_mask=loss_mask,
+            reward=reward,
+            sample_index=sample_index or 0,
+            rollout_size=rollout_size,
+            advantage=advantage,
+            group_id=group_id,
+            group_size=group_size,
             rollout_log_probs=None if log_probs is None else np.asarray(log_probs, dtype=np.float32).reshape(-1),
-            policy_version_min=read.optional_integer(row.get("policy_version_min"), "policy_version_min"),
-            policy_version_max=read.optional_integer(row.get("policy_version_max"), "policy_version_max"),
-            metadata={**(row.get("metadata") or {}), **extra},
+            policy_version_min=version_min,
+            policy_version_max=version_max,
+            metadata={**(metadata or {}), **extra},
         )
         return sample
 
@@ -148,13 +164,20 @@ class Sample:
         return clone
 
 
-# Tuples and frozensets built once: `from_dict` runs for every pushed sample.
+# Built once: `from_dict` runs for every pushed sample.
 _REQUIRED_FIELDS = ("rollout_id", "tokens", "response_length", "loss_mask", "reward")
-_REQUIRED_KEYS = frozenset(_REQUIRED_FIELDS)
-_required_values = operator.itemgetter(*_REQUIRED_FIELDS)   # with `_NO_VALUES`: "is any None?" in C
-_NO_VALUES = (None,) * len(_REQUIRED_FIELDS)
-_INT64 = np.dtype(np.int64)
 _SAMPLE_FIELDS = frozenset(Sample.__dataclass_fields__)
+_ABSENT = dict.fromkeys(Sample.__dataclass_fields__)                # a row's missing keys read as None
+_field_values = operator.itemgetter(*Sample.__dataclass_fields__)   # every field's value in one C call
+_INT64 = np.dtype(np.int64)
+_PLAIN_IDS = frozenset({str, int, type(None)})
+_INT_OR_NONE = frozenset({int, type(None)})
+_FLOAT_OR_NONE = frozenset({float, type(None)})
+
+
+def _is_int_vector(value) -> bool:
+    """A non-empty 1-d numpy array of integers (or bools): what producers send for tokens and masks."""
+    return type(value) is np.ndarray and value.ndim == 1 and value.size > 0 and value.dtype.kind in "iub"
 
 
 class _FieldReader:
@@ -172,8 +195,6 @@ class _FieldReader:
         raise RolloutValidationError(self.rollout_id, "wrong_type", f"{name} {detail}", sample_index=self.sample_index)
 
     def int_array(self, value, name: str) -> np.ndarray:
-        if type(value) is np.ndarray and value.ndim == 1 and value.size and value.dtype.kind in "iub":
-            return value  # what producers send: skip the general path below
         if isinstance(value, (str, bytes, dict)):
             self.fail(name, f"must be a sequence of integers, got {type(value).__name__}")
         try:
