@@ -20,7 +20,9 @@ IN_FLIGHT submits outstanding (a few producers at once) into
              leftover="drop" after each round, outside the timing): the push path alone.
 No buffer bounds are set: deferrals would measure the consumer, not the push path.
 Rounds of the three alternate, so background load on a small machine hits all alike; the
-median samples/s of each and its ratio to the no-op are printed (the target is >= 0.5).
+median samples/s of each and its ratio to the no-op are printed (the target is >= 0.5), with the
+CPU each round cost the pushed actor's process, the driver and the rest of the machine (raylet,
+the consumer, ...) per sample: where the gap to the no-op is.
 
 Latency. For gbs 512 (dp 8, dynamic packing) the driver pushes a step's rollouts, the
 last one alone, then takes all 8 ShardRefs (one get_step): it prints the scheduler's
@@ -36,10 +38,12 @@ per DP rank, 256 puts per step) and with every rank's node registered (one objec
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import numpy as np
+import psutil
 import ray
 
 from actors.scheduler_actor import SchedulerConfig, create_scheduler
@@ -51,7 +55,7 @@ RESPONSE_TOKENS = 768           # 1024 tokens per sample
 GROUP_SIZE = 8                  # rollouts per prompt
 IN_FLIGHT = 4                   # outstanding submits (producers pushing at once)
 ROUND_BATCHES = 128             # 8192 samples per round: 16 steps of gbs 512
-ROUNDS = 5
+ROUNDS = 7
 GBS = 512
 DP_SIZE = 8
 MAX_TOKENS_PER_GPU = 16384
@@ -97,6 +101,33 @@ class Consumer:
                 return step
             ray.get(self._scheduler.ack_ranks.remote(step, {r: None for r in range(self._dp_size)}))
             step += 1
+
+
+def cpu_seconds_by_process() -> dict[int, float]:
+    """user + system CPU seconds of every process on this machine (the cluster is local)."""
+    seconds = {}
+    for process in psutil.process_iter():
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        seconds[process.pid] = times.user + times.system
+    return seconds
+
+
+def actor_pid(actor) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=TIMEOUT_S)
+
+
+def timed_push(actor, pid: int, batches: list[list[dict]]) -> tuple[float, tuple[float, float, float]]:
+    """`push`, plus the CPU it cost per sample, in microseconds: (actor's process, driver, all others)."""
+    before = cpu_seconds_by_process()
+    rate = push(actor, batches)
+    after = cpu_seconds_by_process()
+    used = {p: t - before.get(p, 0.0) for p, t in after.items()}
+    per_sample = 1e6 / (len(batches) * BATCH_SAMPLES)
+    mine, driver = used.get(pid, 0.0), used.get(os.getpid(), 0.0)
+    return rate, (mine * per_sample, driver * per_sample, (sum(used.values()) - mine - driver) * per_sample)
 
 
 def push(actor, batches: list[list[dict]]) -> float:
@@ -152,26 +183,35 @@ def throughput(rounds: int, round_batches: int, rng) -> None:
     intake = create_scheduler(SchedulerConfig(batch=unreachable), name="bench-intake-only")
     push(intake, make_batches("warm-intake", 8, rng))
 
-    rates: dict[str, list[float]] = {"no-op": [], "intake": [], "scheduler": []}
+    actors = {"no-op": noop, "intake": intake, "scheduler": scheduler}
+    pids = {name: actor_pid(actor) for name, actor in actors.items()}
+    rates: dict[str, list[float]] = {name: [] for name in actors}
+    cpu: dict[str, list[tuple[float, float, float]]] = {name: [] for name in actors}
     for k in range(rounds):
         # The same arrays for all three, fresh rollout ids for the schedulers each round.
         batches = make_batches(f"round{k}", round_batches, rng)
-        rates["no-op"].append(push(noop, batches))
-        rates["intake"].append(push(intake, batches))
-        ray.get(intake.flush.remote(), timeout=TIMEOUT_S)  # drops what it buffered: memory stays flat
-        rates["scheduler"].append(push(scheduler, batches))
-        wait_drained(scheduler)
+        for name, actor in actors.items():
+            rate, used = timed_push(actor, pids[name], batches)
+            rates[name].append(rate)
+            cpu[name].append(used)
+            if actor is intake:
+                ray.get(intake.flush.remote(), timeout=TIMEOUT_S)  # drops what it buffered: memory stays flat
+            elif actor is scheduler:
+                wait_drained(scheduler)
         print(f"round {k}: " + "   ".join(f"{name} {r[-1]:>6.0f}/s" for name, r in rates.items()))
     stats = ray.get(scheduler.stats.remote(), timeout=TIMEOUT_S)
     noop_med = statistics.median(rates["no-op"])
     mb = round_batches * BATCH_SAMPLES * (PROMPT_TOKENS + RESPONSE_TOKENS) * 9 / 2**20
     print(f"\n== push throughput: {rounds} interleaved rounds of {round_batches} x {BATCH_SAMPLES} samples "
           f"({PROMPT_TOKENS + RESPONSE_TOKENS} tokens, ~{mb:.0f} MiB per round), {IN_FLIGHT} submits in flight")
-    print(f"{'':<11} {'median samples/s':>17} {'min':>7} {'max':>7} {'/ no-op':>8} {'per-round median':>17}")
+    print(f"{'':<11} {'median samples/s':>17} {'min':>7} {'max':>7} {'/ no-op':>8} {'per-round median':>17}"
+          f"   CPU us/sample: {'actor':>5} {'driver':>6} {'rest':>5}")
     for name, r in rates.items():
         per_round = statistics.median(x / n for x, n in zip(r, rates["no-op"]))
+        actor_us, driver_us, rest_us = (statistics.median(c) for c in zip(*cpu[name]))
         print(f"{name:<11} {statistics.median(r):>17.0f} {min(r):>7.0f} {max(r):>7.0f} "
-              f"{statistics.median(r) / noop_med:>8.2f} {per_round:>17.2f}")
+              f"{statistics.median(r) / noop_med:>8.2f} {per_round:>17.2f}"
+              f"   {'':<14} {actor_us:>5.0f} {driver_us:>6.0f} {rest_us:>5.0f}")
     print("target: scheduler / no-op >= 0.50 (intake: the push path with no steps formed)")
     print(f"steps emitted while pushing: {stats.steps_emitted}, all acked: {stats.steps_trained == stats.steps_emitted}")
     ray.get(scheduler.end_of_input.remote(), timeout=TIMEOUT_S)
