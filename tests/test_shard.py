@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pickle
+from dataclasses import replace
+
 import numpy as np
 
 from vgbs_ray.config import ParallelConfig
@@ -64,3 +67,25 @@ def test_eligibility_decisions_carry_their_reason():
     ]
     for decision, reason in cases:
         assert not decision.rollout_side and reason in decision.reason
+
+
+def test_each_shard_pickles_only_its_own_range_of_the_step_arrays():
+    rng = np.random.default_rng(1)
+    samples = [s for r in range(8) for s in make_rollout(
+        f"r{r}", [dict(tokens=rng.integers(0, 100, 2000), response_length=1000, loss_mask=np.ones(1000, dtype=np.int8))],
+        reward=0.0, advantage=1.0)]
+    shards = build_legacy_shards(samples, step=0, dp_size=4)
+    whole = sum(s.tokens.nbytes for s in samples)
+    for shard, rank_samples in zip(shards, [samples[r::4] for r in range(4)]):
+        assert np.array_equal(shard.token_ids, np.concatenate([s.tokens for s in rank_samples]))
+        assert np.array_equal(shard.loss_mask, np.concatenate([s.loss_mask for s in rank_samples]))
+        # The arrays are views of one step-wide array: a pickled shard carries its quarter, not the step.
+        assert len(pickle.dumps(shard, protocol=5)) < whole / 2
+
+
+def test_a_step_carries_behaviour_log_probs_on_every_rank_or_on_none():
+    samples = window(num_rollouts=8, seed=2)
+    assert all(s.rollout_log_probs is not None for s in build_legacy_shards(samples, step=0, dp_size=2))
+    # One sample without log-probs: no rank may train this step as if it had them.
+    samples[0] = replace(samples[0], rollout_log_probs=None)
+    assert all(s.rollout_log_probs is None for s in build_legacy_shards(samples, step=0, dp_size=2))
