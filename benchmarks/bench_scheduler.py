@@ -22,7 +22,8 @@ No buffer bounds are set: deferrals would measure the consumer, not the push pat
 Rounds of the three alternate, so background load on a small machine hits all alike; the
 median samples/s of each and its ratio to the no-op are printed (the target is >= 0.5), with the
 CPU each round cost the pushed actor's process, the driver and the rest of the machine (raylet,
-the consumer, ...) per sample: where the gap to the no-op is.
+the consumer, and any unrelated load: read it on a quiet machine) per sample: where the gap to the
+no-op is.
 
 Latency. For gbs 512 (dp 8, dynamic packing) the driver pushes a step's rollouts, the
 last one alone, then takes all 8 ShardRefs (one get_step): it prints the scheduler's
