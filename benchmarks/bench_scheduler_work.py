@@ -3,7 +3,7 @@ once Ray's calls, serialisation and the object store are taken away.
 
     python benchmarks/bench_scheduler_work.py [--batches 256]
 
-The same payload as bench_scheduler.py (64-sample pushes of one-sample rollouts in GRPO groups of
+bench_scheduler.py's payload and step (64-sample pushes of one-sample rollouts in GRPO groups of
 8, 1k tokens, the rows unpickled as the actor receives them), through RolloutIntake.ingest, then
 each gbs-512 step taken, laid out for dp 8 (`plan_step`: layout and shards, no `ray.put`) and
 scheduled and trained in the ledger, against a settled table of 20k earlier rollouts. Prints the
@@ -21,30 +21,18 @@ import time
 
 import numpy as np
 
+from bench_scheduler import BATCH_SAMPLES, DP_SIZE, GBS, MAX_TOKENS_PER_GPU, make_batches  # a sibling script
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.intake import IntakeConfig, RolloutIntake
 from vgbs_ray.ledger import Ledger
 from vgbs_ray.stepping import plan_step
 
-BATCH_SAMPLES, GROUP_SIZE, PROMPT_TOKENS, RESPONSE_TOKENS = 64, 8, 256, 768
-GBS, DP_SIZE, MAX_TOKENS_PER_GPU = 512, 8, 16384
 SETTLED_STEPS = 40  # 20k rollouts already trained: lookups meet a table, not an empty one
 
 
 def make_pushes(num_batches: int, rng: np.random.Generator) -> list[list[dict]]:
-    pushes = []
-    for b in range(num_batches):
-        rows = []
-        for i in range(BATCH_SAMPLES):
-            group = f"push{b}/g{i // GROUP_SIZE}"
-            rows.append(dict(
-                rollout_id=f"{group}/r{i % GROUP_SIZE}",
-                tokens=rng.integers(0, 32_000, PROMPT_TOKENS + RESPONSE_TOKENS, dtype=np.int64),
-                response_length=RESPONSE_TOKENS, loss_mask=(rng.random(RESPONSE_TOKENS) > 0.1).astype(np.int8),
-                reward=float(rng.random()), sample_index=0, rollout_size=1, group_id=group, group_size=GROUP_SIZE,
-            ))
-        pushes.append(pickle.loads(pickle.dumps(rows, protocol=5)))  # as Ray hands them to the actor
-    return pushes
+    """bench_scheduler's batches, each unpickled as Ray hands a push's samples to the actor."""
+    return [pickle.loads(pickle.dumps(rows, protocol=5)) for rows in make_batches("push", num_batches, rng)]
 
 
 def settled_ledger() -> Ledger:
