@@ -79,10 +79,8 @@ def _shards(partitions: list[list[Sample]], step: int, num_rollouts: int, mask_s
     """One shard per rank from each rank's samples, in execution order.
 
     Each array is built once for the whole step, ranks back to back, and a rank's shard holds
-    views of its range: one allocation per array and step instead of one per rank (per-rank
-    half-megabyte token arrays kept coming back from the allocator as fresh pages: up to ~1 ms
-    of a gbs-512 step's 3 ms layout). Pickling a view writes only its own bytes, so a shard put
-    alone stays its rank's size.
+    views of its range: one numpy call and allocation per array and step instead of one per
+    rank. Pickling a view writes only its own bytes, so a shard put alone stays its rank's size.
     `rollout_log_probs` is None unless every sample of the step carries them (and on a rank
     without samples), so all ranks of a step agree on whether they have behaviour log-probs.
     """
