@@ -30,6 +30,10 @@ last one alone, then takes all 8 ShardRefs (one get_step): it prints the schedul
 StepRecord.scheduling_latency_s (last rollout ready -> all shards in the store) and the
 driver's view (last submit sent -> every rank's shard gettable), median and max.
 
+Ray's per-call cost. What one empty actor call costs in CPU (the callee's process, the
+caller's): an asyncio actor like the SchedulerActor against a threaded one. Every push is
+such a call, and so is each of the train side's two calls per step.
+
 Scale. The same at dp 256 x tp 4: 1,024 simulated ranks (async callers in SCALE_POOLS actors)
 park their get_shard before the step's last rollout is pushed; the driver's view is last submit
 sent -> all 1,024 ShardRefs returned. Twice, side by side: without a node map (one shard object
@@ -293,6 +297,41 @@ def scale_run(num_steps: int, rng, *, node_objects: bool) -> tuple[list[float], 
     return [1e3 * r.scheduling_latency_s for r in records], driver_ms
 
 
+class AsyncEcho:
+    async def echo(self, value):
+        return value
+
+
+class ThreadedEcho:
+    def echo(self, value):
+        return value
+
+
+class EchoCaller:
+    def run(self, callee, num_calls: int) -> None:
+        for i in range(num_calls):
+            ray.get(callee.echo.remote(i))
+
+
+def call_cost(num_calls: int) -> None:
+    print(f"\n== Ray's per-call cost: {num_calls} sequential empty calls from an actor, CPU per call")
+    print(f"{'callee':<16} {'callee ms':>10} {'caller ms':>10} {'wall ms':>8}")
+    for name, cls, concurrency in (("asyncio actor", AsyncEcho, 1000), ("threaded actor", ThreadedEcho, 64)):
+        callee = ray.remote(cls).options(num_cpus=0, max_concurrency=concurrency).remote()
+        caller = ray.remote(EchoCaller).options(num_cpus=0).remote()
+        ray.get(caller.run.remote(callee, num_calls // 10), timeout=TIMEOUT_S)  # warm-up
+        callee_pid, caller_pid = actor_pid(callee), actor_pid(caller)
+        before = cpu_seconds_by_process()
+        start = time.perf_counter()
+        ray.get(caller.run.remote(callee, num_calls), timeout=TIMEOUT_S)
+        wall = time.perf_counter() - start
+        after = cpu_seconds_by_process()
+        used = {pid: 1e3 * (after[pid] - before.get(pid, 0.0)) / num_calls for pid in (callee_pid, caller_pid)}
+        print(f"{name:<16} {used[callee_pid]:>10.2f} {used[caller_pid]:>10.2f} {1e3 * wall / num_calls:>8.2f}")
+        for actor in (callee, caller):
+            ray.kill(actor)
+
+
 def scale_latency(num_steps: int, rng) -> None:
     per_rank = scale_run(num_steps, rng, node_objects=False)
     per_node = scale_run(num_steps, rng, node_objects=True)
@@ -317,10 +356,12 @@ def main() -> None:
     try:
         if args.quick:
             throughput(2, 16, rng)
+            call_cost(200)
             latency(2, rng)
             scale_latency(2, rng)
         else:
             throughput(ROUNDS, ROUND_BATCHES, rng)
+            call_cost(2000)
             latency(LATENCY_STEPS, rng)
             scale_latency(SCALE_STEPS, rng)
     finally:
