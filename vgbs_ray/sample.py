@@ -166,9 +166,15 @@ class Sample:
 
 # Built once: `from_dict` runs for every pushed sample.
 _REQUIRED_FIELDS = ("rollout_id", "tokens", "response_length", "loss_mask", "reward")
-_SAMPLE_FIELDS = frozenset(Sample.__dataclass_fields__)
-_ABSENT = dict.fromkeys(Sample.__dataclass_fields__)                # a row's missing keys read as None
-_field_values = operator.itemgetter(*Sample.__dataclass_fields__)   # every field's value in one C call
+# The order `from_dict` unpacks them in (named here, not taken from the dataclass, so that reordering
+# its fields cannot silently swap two values).
+_FIELD_ORDER = ("rollout_id", "tokens", "response_length", "loss_mask", "reward", "sample_index", "rollout_size",
+                "advantage", "group_id", "group_size", "rollout_log_probs", "policy_version_min",
+                "policy_version_max", "metadata")
+assert set(_FIELD_ORDER) == set(Sample.__dataclass_fields__), "_FIELD_ORDER must list every Sample field"
+_SAMPLE_FIELDS = frozenset(_FIELD_ORDER)
+_ABSENT = dict.fromkeys(_FIELD_ORDER)                 # a row's missing keys read as None
+_field_values = operator.itemgetter(*_FIELD_ORDER)    # every field's value in one C call
 _INT64 = np.dtype(np.int64)
 _PLAIN_IDS = frozenset({str, int, type(None)})
 _INT_OR_NONE = frozenset({int, type(None)})

@@ -74,9 +74,10 @@ def _concat(arrays: list[np.ndarray], dtype) -> np.ndarray:
     return np.concatenate(arrays, dtype=dtype, casting="unsafe") if arrays else np.zeros(0, dtype=dtype)
 
 
-def _shards(partitions: list[list[Sample]], step: int, num_rollouts: int, mask_sums: list[list[int]],
+def _shards(partitions: list[list[Sample]], step: int, num_rollouts: int,
             micro_batch_indices: list | None) -> list[StepShard]:
-    """One shard per rank from each rank's samples, in execution order.
+    """One shard per rank from each rank's samples, in execution order; together the partitions
+    hold every sample of the step's rollouts (the rollout mask sums are taken over all of them).
 
     Each array is built once for the whole step, ranks back to back, and a rank's shard holds
     views of its range: one numpy call and allocation per array and step instead of one per
@@ -101,7 +102,7 @@ def _shards(partitions: list[list[Sample]], step: int, num_rollouts: int, mask_s
         log_probs = _concat([s.rollout_log_probs for s in ordered], np.float32)
     advantages = np.array([s.advantage for s in ordered], dtype=np.float32)
     rewards = np.array([s.reward for s in ordered], dtype=np.float32)
-    rollout_mask_sums = np.array([m for sums in mask_sums for m in sums], dtype=np.int64)
+    rollout_mask_sums = compute_rollout_mask_sums([s.rollout_id for s in ordered], [s.loss_mask for s in ordered])
     starts = np.cumsum([0, *map(len, partitions)]).tolist()  # rank r's samples: starts[r]:starts[r + 1]
     token_at = np.concatenate([[0], np.cumsum(total_lengths)]).tolist()
     response_at = np.concatenate([[0], np.cumsum(response_lengths)]).tolist()
@@ -137,16 +138,9 @@ def build_step_shards(samples: Sequence[Sample], layout: StepLayout, step: int) 
     `layout`'s global sample indices index into `samples`, which must hold every sample of
     the step's rollouts (the rollout mask sums are taken over them, across ranks).
     """
-    step_indices = layout.sample_indices
-    step_mask_sums = compute_rollout_mask_sums(
-        [samples[i].rollout_id for i in step_indices], [samples[i].loss_mask for i in step_indices]
-    )
-    mask_sum_of = dict(zip(step_indices, step_mask_sums.tolist()))
     dp_size = len(layout.rank_micro_batches)
-    partitions = [layout.partition(rank) for rank in range(dp_size)]
-    return _shards([[samples[i] for i in partition] for partition in partitions], step, layout.num_rollouts,
-                   [[mask_sum_of[i] for i in partition] for partition in partitions],
-                   [layout.micro_batch_indices(rank) for rank in range(dp_size)])
+    return _shards([[samples[i] for i in layout.partition(rank)] for rank in range(dp_size)], step,
+                   layout.num_rollouts, [layout.micro_batch_indices(rank) for rank in range(dp_size)])
 
 
 def build_legacy_shards(samples: Sequence[Sample], step: int, dp_size: int) -> list[StepShard]:
@@ -155,7 +149,5 @@ def build_legacy_shards(samples: Sequence[Sample], step: int, dp_size: int) -> l
     Each rank picks its own micro-batches and agrees on their count with all-reduce(MAX).
     The per-rollout normalisers are still precomputed here.
     """
-    mask_sums = compute_rollout_mask_sums([s.rollout_id for s in samples], [s.loss_mask for s in samples]).tolist()
     num_rollouts = len({s.rollout_id for s in samples})
-    return _shards([list(samples[rank::dp_size]) for rank in range(dp_size)], step, num_rollouts,
-                   [mask_sums[rank::dp_size] for rank in range(dp_size)], None)
+    return _shards([list(samples[rank::dp_size]) for rank in range(dp_size)], step, num_rollouts, None)
