@@ -21,6 +21,8 @@ from actors.rollout_engine import EngineConfig, SamplingConfig
 from actors.scheduler_api import SchedulerConfig
 from actors.train_config import LossConfig, ModelConfig, OptimizerConfig, TrainGroupConfig
 from jobs.config_loader import apply_overrides, config_from_mapping, describe, load_yaml
+from jobs.tracking import LOGGER_NAMES
+from jobs.tracking_backends import MlflowConfig, TensorBoardConfig, WandbConfig
 from vgbs_ray.config import BatchConfig, check_schedule_configs
 from vgbs_ray.envs.digits import VOCAB_SIZE, DigitTaskConfig
 from vgbs_ray.errors import ConfigError
@@ -53,6 +55,17 @@ class RunConfig:
     """How long a train rank waits for its shard of a step before the run fails."""
     plot: bool = True
     """Draw rollouts per step and loss over steps to output_dir/steps.png at the end."""
+    loggers: tuple[str, ...] = ("console", "jsonl")
+    """Where the run's numbers go (docs/metrics.md): console (the step line), jsonl (output_dir/steps.jsonl), and
+    any of tensorboard, wandb, mlflow (each an extra: pip install '.[tracking]'), e.g.
+    --set run.loggers=[console,jsonl,tensorboard,wandb]. The list replaces the default."""
+    project: str = "vgbs-ray"
+    """The W&B project and the MLflow experiment."""
+    run_name: str | None = None
+    """The run's display name in W&B and MLflow (None: the tracker picks one)."""
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
     def __post_init__(self):
         if self.num_steps < 1:
@@ -63,6 +76,14 @@ class RunConfig:
             raise ConfigError(f"run.max_failures must be an integer >= 0 (0 = fail fast), got {self.max_failures!r}")
         if self.ray_address != "local" and not self.ray_address:
             raise ConfigError('run.ray_address must be "local", "auto" or a cluster address')
+        known = LOGGER_NAMES
+        if not isinstance(self.loggers, tuple) or not all(isinstance(name, str) for name in self.loggers):
+            raise ConfigError(f"run.loggers must be a list of names, e.g. [console,jsonl,tensorboard], got "
+                              f"{self.loggers!r}")
+        unknown = [name for name in self.loggers if name not in known]
+        if unknown or len(set(self.loggers)) != len(self.loggers):
+            raise ConfigError(f"run.loggers={list(self.loggers)}: each of {list(known)} at most once"
+                              + (f" ({unknown} unknown)" if unknown else ""))
 
 
 @dataclass(frozen=True, kw_only=True)

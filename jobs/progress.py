@@ -1,4 +1,6 @@
-"""What a person and a machine see of a run: one line and one JSON record per step, a summary, a plot."""
+"""What a person and a machine see of a run: one line and one JSON record per step, a summary, a plot.
+
+The fields' names in the run's metric vocabulary (TensorBoard, W&B, MLflow, Ray) are in jobs/metric_names.py."""
 
 from __future__ import annotations
 
@@ -37,6 +39,10 @@ class StepLine:
     """Trainer-side seconds to publish this step's weights (gather, convert, one object-store copy)."""
     shard_wait_s: float | None = None
     """Seconds the train group waited for this step's shards to be formed (trainer idle)."""
+    engine_load_s: float | None = None
+    """Closed loop: the slowest engine's load time of the newest version whose load had finished by now."""
+    engine_idle_share: float | None = None
+    """Closed loop: share of the engines' time since start with no request (read every 10 steps, else None)."""
 
     def text(self) -> str:
         micro = "legacy" if self.microbatches_per_rank is None else str(self.microbatches_per_rank)

@@ -18,7 +18,8 @@ train/engine log-prob mismatch and the weight-sync time) and appends one JSON re
 summary, <output_dir>/summary.json and a plot <output_dir>/steps.png. Checkpoints hold the
 train group's state, the scheduler's state (ledger, buffered rollouts, step, policy version) and
 the producers' cursors; --set run.resume=true continues the run from the latest one, exactly
-once (jobs/checkpoint.py).
+once (jobs/checkpoint.py). With --set run.loggers=[console,jsonl,tensorboard,wandb,mlflow] the steps, the
+config and the summary also go to those trackers (jobs/tracking.py; names and units: docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ from jobs.checkpoint import dataset_prompts_to_resend, latest_checkpoint, load_r
 from jobs.closed_loop import ClosedLoop
 from jobs.job_config import JobConfig, load_job_config, options_help
 from jobs.job_metrics import JobMetrics
+from jobs.metric_names import counters_from_stats, step_values
 from jobs.progress import StepLine, StepRecorder, plot_records, read_records
 from jobs.recovery import JobFailedError, TrainController
+from jobs.tracking import Tracker
 from vgbs_ray.errors import ConfigError
 
 log = logging.getLogger("vgbs.job")
@@ -175,9 +178,11 @@ def train(config: JobConfig, records_path: str, on_event=None) -> dict:
     # A resume restores the scheduler (global step numbers continue at the checkpoint's step, settled
     # rollout ids stay known, untrained ones train first) and starts producers at their cursors.
     scheduler = create_scheduler(scheduler_config, restore=resume.scheduler_state if resume else None)
-    controller, producers, close_input, loop = None, [], None, None
+    controller, producers, close_input, loop, tracker = None, [], None, None, None
     try:
         first_step = resume.next_step if resume is not None else 0
+        # run.loggers' trackers (TensorBoard, W&B, MLflow): open off this thread, the config logged once.
+        tracker = Tracker.start(config, first_step=first_step, resumed=resume is not None)
         controller = TrainController(config, scheduler, first_step=first_step, restore_from=resume_from)
         controller.start()
         if resume is not None:
@@ -206,11 +211,13 @@ def train(config: JobConfig, records_path: str, on_event=None) -> dict:
         close_input = close_input_when_producers_finish(scheduler, producers, timeout_s=600)
 
         start = time.monotonic()
-        recorder = StepRecorder(records_path, append=resume_from is not None)
+        recorder = StepRecorder(records_path, append=resume_from is not None) if "jsonl" in config.run.loggers else None
         try:
-            trained = run_steps(config, controller, recorder, on_event, loop=loop, metrics=JobMetrics(out))
+            trained = run_steps(config, controller, recorder, on_event, loop=loop, metrics=JobMetrics(out),
+                                tracker=tracker)
         finally:
-            recorder.close()
+            if recorder is not None:
+                recorder.close()
         elapsed = time.monotonic() - start
         stop_producers(producers, close_input)
         producers = []
@@ -221,8 +228,14 @@ def train(config: JobConfig, records_path: str, on_event=None) -> dict:
         if loop is not None:
             summary["closed_loop"] = closed_loop_summary(trained, close_input.reports, loop, stats=stats,
                                                            elapsed_s=elapsed, config=config)
+        tracker.finish(trained, summary, counters_from_stats(stats, len(controller.recoveries)))
+        tracker.close()
+        if tracker.active:
+            summary["loggers"] = tracker.status()
         return summary
     finally:
+        if tracker is not None:  # a failed run: what is final so far stays logged, the runs marked failed
+            tracker.close(failed=True)
         if producers:  # a failed run: stop them before the scheduler goes
             stop_producers(producers, close_input, timeout_s=10)
         if loop is not None:
@@ -241,8 +254,9 @@ RECOVERABLE_ERRORS = (TrainStepError, PlacementGroupTimeoutError, ray.exceptions
 """What the step loop hands to `TrainController.recover` (which asks the failure policy)."""
 
 
-def run_steps(config: JobConfig, controller: TrainController, recorder: StepRecorder,
-              on_event=None, loop: ClosedLoop | None = None, metrics: JobMetrics | None = None) -> list[StepLine]:
+def run_steps(config: JobConfig, controller: TrainController, recorder: StepRecorder | None,
+              on_event=None, loop: ClosedLoop | None = None, metrics: JobMetrics | None = None,
+              tracker: Tracker | None = None) -> list[StepLine]:
     """Train up to run.num_steps steps, or until the input ends; returns the line of each step in
     the final model's history.
 
@@ -255,6 +269,10 @@ def run_steps(config: JobConfig, controller: TrainController, recorder: StepReco
     order). Steps are global: a resumed run's scheduler, records and checkpoints continue at
     `controller.first_step`, and run.num_steps counts the whole run's steps (a resumed run stops
     where the uninterrupted one would). The run ends with a checkpoint.
+
+    Each step's line is printed (run.loggers `console`), appended to `recorder` (`jsonl`), set as
+    Ray gauges (`metrics`) at once, and handed to the `tracker` once a checkpoint holds it
+    (jobs/tracking.py: trackers get the final history only).
     """
     run, first, scheduler = config.run, controller.first_step, controller.scheduler
     lines: dict[int, StepLine] = {}
@@ -270,19 +288,16 @@ def run_steps(config: JobConfig, controller: TrainController, recorder: StepReco
                     line = step_line(result, record)
                     if loop is not None:
                         sync_s = loop.publish(controller.group, step + 1)
-                        line = dataclasses.replace(line, policy_version=step, weight_sync_s=sync_s,
-                                                   sampled_reward=loop.drain_sampled_reward())
+                        line = dataclasses.replace(
+                            line, policy_version=step, weight_sync_s=sync_s, sampled_reward=loop.drain_sampled_reward(),
+                            engine_load_s=loop.load_times_s[-1][1] if loop.load_times_s else None,
+                            engine_idle_share=loop.engine_idle_share() if step % 10 == 0 else None)
                     if metrics is not None:  # the dashboard's per-step gauges (jobs/job_metrics.py)
-                        metrics.on_step(step=step, num_rollouts=line.num_rollouts, reward=line.reward,
-                                        policy_version=None if loop is None else step + 1,
-                                        weight_sync_s=line.weight_sync_s,
-                                        trainer_idle_s=line.shard_wait_s,
-                                        staleness_mean=line.staleness_mean, staleness_max=line.staleness_max,
-                                        log_prob_mismatch=line.log_prob_mismatch)
-                        if loop is not None and step % 10 == 0:
-                            metrics.on_engines(loop.engine_idle_share())
-                    print(line.text(), flush=True)
-                    recorder.write(line)
+                        metrics.on_step(step, step_values(line))
+                    if "console" in run.loggers:
+                        print(line.text(), flush=True)
+                    if recorder is not None:
+                        recorder.write(line)
                     lines[step] = line
                     controller.consumed_rollouts = result.consumed_rollouts
                     step += 1
@@ -290,6 +305,10 @@ def run_steps(config: JobConfig, controller: TrainController, recorder: StepReco
                         on_event("step_trained", step - 1, controller)
                     if run.checkpoint_every and step % run.checkpoint_every == 0:
                         controller.checkpoint(step)
+                    if tracker is not None:  # hands over the steps a checkpoint now holds (off this thread)
+                        tracker.on_step(line, final_before=controller.checkpointed_step,
+                                        counters=counters_from_stats(controller.last_stats, len(controller.recoveries))
+                                        if controller.last_stats is not None else None)
                     continue
                 print(f"input ended after {step - first} steps", flush=True)
             if step != first and controller.checkpointed_step != step:

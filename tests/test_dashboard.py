@@ -13,6 +13,8 @@ from ray.util.metrics import Metric
 
 from actors.scheduler_metrics import SchedulerMetrics
 from jobs.job_metrics import METRIC_NAMES, JobMetrics
+from jobs.metric_names import step_values
+from jobs.progress import StepLine
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "vgbs-dashboard.json"
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -46,9 +48,11 @@ def test_every_dashboard_series_is_exported_and_every_job_metric_has_a_panel(ray
 def test_job_metrics_reach_the_metrics_export_port(ray_session):
     run = "dashboard-test-run"
     metrics = JobMetrics(run)
-    metrics.on_step(step=3, num_rollouts=16, reward=0.625, policy_version=4, weight_sync_s=0.5,
-                    trainer_idle_s=float("nan"))
-    metrics.on_engines(0.25)
+    values = step_values(StepLine(step=3, num_rollouts=16, num_samples=20, microbatches_per_rank=1, num_tokens=400,
+                                  loss=0.1, reward=0.625, step_time_s=0.2, lr=1e-3, layout="rollout_side",
+                                  partial=False, policy_version=4, weight_sync_s=0.5, shard_wait_s=float("nan"),
+                                  engine_idle_share=0.25))
+    metrics.on_step(3, values)  # names without a gauge (train/loss, step/tokens, ...) are not exported
     port = ray.nodes()[0]["MetricsExportPort"]
     pattern = re.compile(r'^ray_(vgbs_job_[a-z_]+)\{[^}]*run="%s"[^}]*\} ([0-9.e+-]+)$' % run, re.M)
     found: dict = {}
@@ -57,6 +61,6 @@ def test_job_metrics_reach_the_metrics_export_port(ray_session):
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         found = {name: float(value) for name, value in pattern.findall(text)}
         time.sleep(0.5)
-    assert found == {"vgbs_job_step": 3.0, "vgbs_job_step_rollouts": 16.0, "vgbs_job_reward": 0.625,
-                     "vgbs_job_policy_version": 4.0, "vgbs_job_weight_sync_s": 0.5,
-                     "vgbs_job_engine_idle_share": 0.25}  # NaN and None are not set
+    assert found == {"vgbs_job_step": 3.0, "vgbs_job_step_rollouts": 16.0, "vgbs_job_reward_trained": 0.625,
+                     "vgbs_job_policy_version": 4.0, "vgbs_job_time_weight_sync_s": 0.5,
+                     "vgbs_job_share_engine_idle": 0.25}  # NaN and None are not set
