@@ -150,5 +150,6 @@ def markdown_table() -> str:
         field = f"`{metric.field}`" if metric.field else ("derived" if metric.source == "step" else "-")
         ray = f"`{metric.ray_name}`" if metric.ray else (f"`{SCHEDULER_SERIES[metric.name]}` (scheduler)"
                                                          if metric.name in SCHEDULER_SERIES else "-")
-        rows.append(f"| `{metric.name}` | {metric.unit} | {metric.help} | {field} | {ray} |")
+        what = metric.help.replace("|", "\\|")  # a table cell
+        rows.append(f"| `{metric.name}` | {metric.unit} | {what} | {field} | {ray} |")
     return "\n".join(rows)
