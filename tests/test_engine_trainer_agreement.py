@@ -13,7 +13,8 @@ import ray
 import torch
 
 from actors.hf_checkpoint import write_hf_checkpoint
-from actors.rollout_engine import EngineConfig, RolloutEnginePool, SamplingConfig
+from actors.rollout_engine import EngineConfig, RolloutEnginePool
+from vgbs_ray.agents import SamplingConfig
 from actors.train_config import LossConfig, ModelConfig
 from actors.weight_sync import publish_weights
 from tests.train_support import sgd_config
