@@ -310,7 +310,9 @@ def run_steps(config: JobConfig, controller: TrainController, recorder: StepReco
                         controller.checkpoint(step)
                     continue
                 print(f"input ended after {step - first} steps", flush=True)
-            if step != first and controller.checkpointed_step != step:
+                if step != first:  # again even at a cadence step: rollouts dropped at the end belong in it
+                    controller.checkpoint(step)
+            elif step != first and controller.checkpointed_step != step:
                 controller.checkpoint(step)
             return [lines[s] for s in sorted(lines)]
         except RECOVERABLE_ERRORS as error:
