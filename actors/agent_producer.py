@@ -39,7 +39,7 @@ from typing import Any
 import ray
 
 from actors.rollout_engine import EngineError
-from vgbs_ray.agents import RolloutContext, SamplingConfig, load_agent, resolve, run_group
+from vgbs_ray.agents import RequestTooLongError, RolloutContext, SamplingConfig, load_agent, resolve, run_group
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.prompt_source import DatasetPrompts, GeneratedPrompts, producer_positions, source_length
 
@@ -164,7 +164,15 @@ class _Batcher:
         batch, self._pending = self._pending, []
         started = time.perf_counter()
         try:
-            generations = await self._engines.generate([ids for ids, _, _ in batch], [s for _, s, _ in batch])
+            try:
+                generations = await self._engines.generate([ids for ids, _, _ in batch], [s for _, s, _ in batch])
+            except RequestTooLongError:
+                if len(batch) == 1:
+                    raise
+                # One request does not fit: the engine refused the whole call. Send each alone, so only
+                # the rollout that asked too much loses its group.
+                await asyncio.gather(*[self._one(ids, sampling, future) for ids, sampling, future in batch])
+                return
         except BaseException as error:  # noqa: BLE001 - every caller of the batch gets the error
             for _, _, future in batch:
                 if not future.done():
@@ -175,6 +183,16 @@ class _Batcher:
         for (_, _, future), generation in zip(batch, generations):
             if not future.done():
                 future.set_result(generation)
+
+    async def _one(self, ids, sampling: SamplingConfig, future: asyncio.Future) -> None:
+        try:
+            (generation,) = await self._engines.generate([ids], [sampling])
+        except BaseException as error:  # noqa: BLE001 - this caller's own error
+            if not future.done():
+                future.set_exception(error)
+            return
+        if not future.done():
+            future.set_result(generation)
 
 
 class AgentProducer:

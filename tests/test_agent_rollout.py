@@ -9,7 +9,7 @@ import math
 import pytest
 
 from tests.agent_support import ScriptedEngine
-from vgbs_ray.agents import AgentResult, RequestTooLongError, RolloutContext, load_agent, run_group
+from vgbs_ray.agents import AgentResult, RequestTooLongError, RolloutContext, SamplingConfig, load_agent, run_group
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.prompt_source import DatasetPrompts, GeneratedPrompts, producer_positions
 
@@ -124,3 +124,30 @@ def test_producers_split_the_positions_and_a_cursor_resumes_exactly_there():
     assert list(producer_positions(1, 3, start=2, length=10)) == split[1][2:]
     endless = GeneratedPrompts(lambda p: {"n": p * p})
     assert endless.prompt(4) == ("p4", {"n": 16})
+
+
+def test_one_too_long_request_in_a_batched_engine_call_fails_only_its_own_caller():
+    from actors.agent_producer import _Batcher
+
+    class Engines:
+        """Refuses a whole call when one prompt is longer than 3 tokens, as the engine does."""
+        def __init__(self):
+            self.calls = []
+
+        async def generate(self, prompts, samplings):
+            self.calls.append(len(prompts))
+            if any(len(p) > 3 for p in prompts):
+                raise RequestTooLongError("request longer than max_model_len")
+            return [await ScriptedEngine([[9]])(p, s) for p, s in zip(prompts, samplings)]
+
+    engines = Engines()
+    batcher = _Batcher(engines, {"engine_wait_s": 0.0})
+
+    async def three_callers():
+        return await asyncio.gather(*[batcher.generate(p, SamplingConfig()) for p in ([1], [1, 2, 3, 4, 5], [2])],
+                                    return_exceptions=True)
+
+    short, long, other = asyncio.run(three_callers())
+    assert engines.calls[0] == 3  # one batched call first
+    assert isinstance(long, RequestTooLongError)
+    assert short.response_token_ids.tolist() == other.response_token_ids.tolist() == [9]
