@@ -14,10 +14,10 @@ import torch
 
 from actors.hf_checkpoint import write_hf_checkpoint
 from actors.rollout_engine import EngineConfig, RolloutEnginePool
-from vgbs_ray.agents import SamplingConfig
 from actors.train_config import LossConfig, ModelConfig
 from actors.weight_sync import publish_weights
 from tests.train_support import sgd_config
+from vgbs_ray.agents import SamplingConfig
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.off_policy import OffPolicyConfig
 from vgbs_ray.policy_loss import OFF_POLICY_METRIC_NAMES
