@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-demo: setup  # the closed loop: vLLM engine, env producers, weight sync; the reward rises (~2 min on 2 cores)
+demo: setup  # the closed loop: vLLM engine, the digit agent (examples/digit_agent.py), weight sync; the reward rises (~3 min on 2 cores)
 	$(PY) -m jobs.train
 
 demo-synthetic: setup  # synthetic producers instead of the closed loop (full and partial steps, ~20 s)

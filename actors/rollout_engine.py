@@ -27,11 +27,12 @@ anything runs), a dead engine (`EngineDiedError`, as soon as the call fails, not
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Sequence
 
 import numpy as np
@@ -40,6 +41,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.weight_sync import PublishedWeights, WeightLoad
+from vgbs_ray.agents.generation import Generation, RequestTooLongError, SamplingConfig
 from vgbs_ray.errors import ConfigError, VgbsError
 
 # In-process vLLM without torch.compile (PLATFORM_NOTES: start-up ~2 s, first logprobs call without a 14 s compile).
@@ -53,10 +55,6 @@ class EngineError(VgbsError, RuntimeError):
 
 class EngineDiedError(EngineError):
     """A rollout engine's actor is gone."""
-
-
-class RequestTooLongError(VgbsError, ValueError):
-    """A request does not fit the engine's context (prompt + max_tokens > max_model_len)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,45 +108,6 @@ class EngineConfig:
         return self.num_gpus_per_engine > 0
 
 
-@dataclass(frozen=True, kw_only=True)
-class SamplingConfig:
-    """How one request samples. Log-probs are always those of the raw model distribution (before
-    temperature / top-p), i.e. what the trainer's forward pass computes."""
-
-    max_tokens: int = 16
-    """Response tokens to sample (fewer if a stop token comes first)."""
-    temperature: float = 1.0
-    """Sampling temperature; 0 = greedy."""
-    top_p: float = 1.0
-    """Nucleus sampling: sample from the smallest set of tokens with this much probability."""
-    seed: int | None = None
-    """Request i of a call samples with seed + i: the same seed, prompts and weights give the same tokens."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Token ids that end a response (included in it); the models here have no EOS token of their own."""
-
-    def __post_init__(self):
-        if self.max_tokens < 1:
-            raise ConfigError(f"SamplingConfig.max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError(f"SamplingConfig: temperature must be >= 0 and top_p in (0, 1], got "
-                              f"{self.temperature}, {self.top_p}")
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One request's result."""
-
-    prompt_token_ids: np.ndarray
-    response_token_ids: np.ndarray
-    """int64 [R]."""
-    response_log_probs: np.ndarray
-    """float32 [R]: log-prob of each sampled token under the weights that sampled it (behaviour log-probs)."""
-    policy_version: int
-    finish_reason: str
-    """'length' (max_tokens reached) or 'stop' (a stop token)."""
-    engine: str
-
-
 @dataclass(frozen=True)
 class EngineUtilization:
     """How one engine spent its time since it started (seconds of wall time, engine thread)."""
@@ -184,7 +143,10 @@ class RolloutEngine:
         self.config = config
         self.name = name
         self.policy_version = policy_version
-        kwargs = dict(model=model_dir, skip_tokenizer_init=True, dtype=config.dtype, seed=config.seed,
+        # With the checkpoint's tokenizer the engine can end responses on stop strings; token-id-only
+        # checkpoints skip it (requests are token ids either way).
+        self.has_tokenizer = has_tokenizer(model_dir)
+        kwargs = dict(model=model_dir, skip_tokenizer_init=not self.has_tokenizer, dtype=config.dtype, seed=config.seed,
                       max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
                       distributed_executor_backend="uni")
         if config.on_gpu:
@@ -202,16 +164,22 @@ class RolloutEngine:
     def ready(self) -> str:
         return self.name
 
-    async def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Generation]:
-        """Sample a response for each prompt (token ids); see `Generation`."""
+    async def generate(self, prompts: Sequence[Sequence[int]],
+                       sampling: SamplingConfig | Sequence[SamplingConfig]) -> list[Generation]:
+        """Sample a response for each prompt (token ids); see `Generation`. `sampling` is one config for
+        every prompt (request i seeded seed + i) or one config per prompt (each seed as given)."""
         prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
-        for index, prompt in enumerate(prompts):
-            if len(prompt) == 0 or len(prompt) + sampling.max_tokens > self.config.max_model_len:
+        samplings = _per_prompt(sampling, len(prompts))
+        for index, (prompt, params) in enumerate(zip(prompts, samplings)):
+            if len(prompt) == 0 or len(prompt) + params.max_tokens > self.config.max_model_len:
                 raise RequestTooLongError(
                     f"{self.name}: request {index} has a {len(prompt)}-token prompt + max_tokens="
-                    f"{sampling.max_tokens} > max_model_len={self.config.max_model_len} (or an empty prompt); "
+                    f"{params.max_tokens} > max_model_len={self.config.max_model_len} (or an empty prompt); "
                     "shorten it or raise EngineConfig.max_model_len (at most the model's max_position_embeddings)")
-        return await self._submit("generate", (prompts, sampling))
+            if params.stop and not self.has_tokenizer:
+                raise EngineError(f"{self.name}: stop strings {params.stop!r} need the checkpoint's tokenizer, and the "
+                                  "engine's model directory has none; use stop_token_ids")
+        return await self._submit("generate", (prompts, samplings))
 
     async def update_weights(self, policy_version: int, weights: dict[str, np.ndarray]) -> WeightLoad:
         """Load `weights` (HF names) in place once the queued requests ran; later requests use them."""
@@ -263,13 +231,14 @@ class RolloutEngine:
         from vllm import SamplingParams
 
         prompts, params, owners = [], [], []
-        for owner, (call_prompts, sampling) in enumerate(payloads):
-            for index, prompt in enumerate(call_prompts):
-                # Request i of a call uses seed + i: a GRPO group (one prompt n times) gets n samples, not one.
-                seed = None if sampling.seed is None else sampling.seed + index
+        for owner, (call_prompts, samplings) in enumerate(payloads):
+            for index, (prompt, sampling) in enumerate(zip(call_prompts, samplings)):
+                seed = sampling.seed
                 params.append(SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                                              top_p=sampling.top_p, seed=seed, logprobs=0, ignore_eos=True,
-                                             stop_token_ids=list(sampling.stop_token_ids)))
+                                             stop_token_ids=list(sampling.stop_token_ids),
+                                             stop=list(sampling.stop), include_stop_str_in_output=True,
+                                             detokenize=self.has_tokenizer))
                 prompts.append({"prompt_token_ids": prompt.tolist()})
                 owners.append(owner)
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
@@ -301,6 +270,21 @@ class RolloutEngine:
         self.policy_version = policy_version
         return [WeightLoad(engine=self.name, policy_version=policy_version, load_time_s=time.perf_counter() - start,
                            num_bytes=sum(np.asarray(a).nbytes for a in weights.values()))]
+
+
+def _per_prompt(sampling: SamplingConfig | Sequence[SamplingConfig], count: int) -> list[SamplingConfig]:
+    if isinstance(sampling, SamplingConfig):
+        # Request i of a call uses seed + i: a GRPO group (one prompt n times) gets n samples, not one.
+        return [sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i) for i in range(count)]
+    samplings = list(sampling)
+    if len(samplings) != count:
+        raise ConfigError(f"generate: {count} prompts but {len(samplings)} sampling configs (give one, or one each)")
+    return samplings
+
+
+def has_tokenizer(model_dir: str) -> bool:
+    """Whether a checkpoint directory holds Hugging Face tokenizer files."""
+    return any(os.path.exists(os.path.join(model_dir, name)) for name in ("tokenizer.json", "tokenizer_config.json"))
 
 
 def engine_error(error: Exception, engine_name: str, what: str) -> Exception:

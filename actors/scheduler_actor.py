@@ -481,6 +481,24 @@ class SchedulerActor:
             self.window.discard(rollout_ids)
             self._changed.notify()  # a full step may have waited for one of them
 
+    async def fail_rollouts(self, rollout_ids: Sequence, reason: str) -> int:
+        """The producer lost these admitted rollouts before pushing any sample (its agent raised,
+        hung, returned a non-finite reward, ...): each unknown id is recorded DROPPED(reason) in the
+        ledger and leaves the staleness window. Ids the scheduler already holds keep their state.
+        Returns how many were recorded."""
+        self._start()
+        self._raise_if_failed()
+        new = [rid for rid in dict.fromkeys(rollout_ids) if self.ledger.get(rid) is None]
+        for rid in new:
+            self.ledger.fail(rid, reason)
+        if self.window is not None and new:
+            self.window.discard(new)
+            self._changed.notify()  # a full step may have waited for one of them
+        if new:
+            self.metrics.on_drop(reason, len(new))
+            self.log.info("%s: %d rollouts lost by their producer (%s)", self.name, len(new), reason)
+        return len(new)
+
     # -- producer side ---------------------------------------------------------------
     async def submit(self, samples: Sequence[Sample | dict[str, Any]], wait_s: float = 0.0) -> SubmitResult:
         """Take a batch of samples (any rollouts, any order); see SubmitResult for what happened to each."""

@@ -87,8 +87,7 @@ def run(max_staleness: int, steps: int, warm_up: int) -> dict:
         "stale drops / finished": f"{loop['stale_dropped_rollouts'] - at_warm_up['stale']}/{finished}",
         "mean staleness": sum(r["staleness_mean"] * r["num_rollouts"] for r in records)
         / sum(r["num_rollouts"] for r in records),
-        "2nd-turn share pushed (run)": loop["second_turn_share_pushed"],
-        "2nd-turn share trained (run)": loop["second_turn_share_trained"],
+        "turns per pushed rollout (run)": loop["agent_metrics"].get("turns"),
         "sampled reward, last 10": loop["sampled_reward_last10"],
         f"steps to sampled {TARGET}": next((i + 1 for i in range(WINDOW - 1, len(sampled))
                                              if mean(sampled[i - WINDOW + 1:i + 1]) >= TARGET), None),

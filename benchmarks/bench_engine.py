@@ -19,10 +19,11 @@ import ray
 import torch
 
 from actors.hf_checkpoint import write_hf_checkpoint
-from actors.rollout_engine import EngineConfig, RolloutEnginePool, SamplingConfig
+from actors.rollout_engine import EngineConfig, RolloutEnginePool
 from actors.train_config import LossConfig, ModelConfig, OptimizerConfig, TrainGroupConfig
 from actors.train_group import TrainGroup
 from actors.weight_sync import publish_weights
+from vgbs_ray.agents import SamplingConfig
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.sample import make_rollout
 from vgbs_ray.schedule import build_dp_schedule

@@ -1,6 +1,6 @@
-"""The job's closed loop: rollout engines on the policy's weights, env producers sampling them, weight sync.
+"""The job's closed loop: rollout engines on the policy's weights, agent producers sampling them, weight sync.
 
-    loop = ClosedLoop.start(config, scheduler, group, policy_version=0, first_step=0, cursors=None)
+    loop = ClosedLoop.start(config, scheduler, group, policy_version=0, cursors=None)
     loop.producers                     # (actor, run ref) pairs, like the synthetic producers'
     sync_s = loop.publish(group, v)    # after the v-th optimizer step: export once, engines load async
     loop.restore(group, k)             # after a recovery restored step k's weights: engines go back to v = k
@@ -8,11 +8,12 @@
     loop.shutdown()                    # after the producers stopped
 
 Start-up: the train group's initial weights (or the restored ones) are exported once as a
-Hugging Face Llama directory under `<output_dir>/policy_init` (what vLLM loads), the engines
-start from it at `policy_version`, then `num_producers` EnvProducers start, one of them also
-reading `dataset_prompts` prompt rows from a Ray Data dataset. Producers resume at their saved
-cursors; the dataset does not: a (re)started run reads a fresh dataset stream (its seed mixes in
-the step the run starts at), so dataset prompts unanswered when a run stopped are not sent again.
+Hugging Face Llama directory under `<output_dir>/policy_init` (what vLLM loads), with the job's
+tokenizer files beside them (`closed_loop.tokenizer_dir`), the engines start from it at
+`policy_version`, then `num_producers` AgentProducers start on the job's prompt source: the
+rows of `closed_loop.dataset` (read once here with Ray Data, shared through the object store)
+or the generator `closed_loop.prompts`. Producer i answers positions i, i + n, ... and resumes
+at its saved cursor, so dataset rows are answered exactly once across a resume too.
 
 `publish(group, v)` is the per-step weight sync: `publish_weights` (the train group's gather
 and one copy into the object store; this is the time the trainer spends) and
@@ -24,28 +25,51 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import ray
 
-from actors.env_producer import EnvProducerConfig, start_env_producer
+from actors.agent_producer import AgentProducerConfig, PromptSpec, start_agent_producer
 from actors.hf_checkpoint import write_hf_checkpoint
 from actors.rollout_engine import RolloutEnginePool
 from actors.weight_sync import publish_weights
-from vgbs_ray.envs.digits import prompt_rows
 
 log = logging.getLogger("vgbs.job")
 
-DATASET_STREAM = 99
-"""Producer-stream offset of the dataset's prompts (producer i's generator uses offset i)."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+"""Hugging Face tokenizer files copied next to the exported weights (whichever the directory has)."""
 
 
-def stream_seed(seed: int, stream: int, first_step: int = 0) -> int:
-    """The prompt-stream seed of producer `stream` (or DATASET_STREAM): distinct per producer, and a
-    fresh stream after a resume from step `first_step` unless a saved cursor says where to continue."""
-    return (seed * 1_000_000_000 + first_step) * 1_000 + stream
+def read_dataset_rows(dataset) -> list[dict]:
+    """Every row of the `closed_loop.dataset` file(s), in file order (Ray Data, order preserved)."""
+    from ray import data as ray_data
+
+    read = ray_data.read_parquet if dataset.resolved_format == "parquet" else ray_data.read_json
+    context = ray_data.DataContext.get_current()
+    context.execution_options.preserve_order = True
+    return [dict(row) for row in read(dataset.path).iter_rows()]
+
+
+def prompt_spec(config) -> PromptSpec:
+    """Where the producers' prompts come from (see module docstring)."""
+    loop = config.closed_loop
+    if loop.dataset is not None:
+        rows = read_dataset_rows(loop.dataset)
+        return PromptSpec(rows=ray.put(rows), epochs=loop.dataset.epochs, shuffle_seed=loop.dataset.shuffle_seed,
+                          keys=loop.dataset.keys)
+    return PromptSpec(generator=loop.prompts, generator_kwargs=dict(loop.prompts_kwargs), seed=loop.seed)
+
+
+def copy_tokenizer(tokenizer_dir: str | None, model_dir: str) -> None:
+    if tokenizer_dir is None:
+        return
+    for name in TOKENIZER_FILES:
+        if os.path.exists(os.path.join(tokenizer_dir, name)):
+            shutil.copy(os.path.join(tokenizer_dir, name), os.path.join(model_dir, name))
 
 
 @dataclass
@@ -63,38 +87,35 @@ class ClosedLoop:
     """Versions published again after a recovery restored the train group (`restore`)."""
 
     @classmethod
-    def start(cls, config, scheduler, group, *, policy_version: int, first_step: int = 0,
+    def start(cls, config, scheduler, group, *, policy_version: int,
               cursors: list[dict | None] | None = None) -> "ClosedLoop":
         """Engines from `group`'s current weights at `policy_version`, then the producers.
 
         `config` is the JobConfig; `cursors[i]`, when given, is producer i's saved `cursor()`.
         """
         loop_config = config.closed_loop
+        prompts = prompt_spec(config)  # a dataset that cannot be read fails before any engine starts
         published = publish_weights(group, policy_version)
-        model_dir = os.path.join(config.run.output_dir, "policy_init")
+        model_dir = os.path.abspath(os.path.join(config.run.output_dir, "policy_init"))
         weights = ray.get(published.ref)
         import torch
 
         write_hf_checkpoint(model_dir, config.train.model,
                             {name: torch.from_numpy(np.array(array)) for name, array in weights.items()})
+        copy_tokenizer(loop_config.tokenizer_dir, model_dir)
         loop = cls(engines=RolloutEnginePool(loop_config.engines, model_dir, policy_version=policy_version))
         try:
             client = loop.engines.client()
-            producer_config = EnvProducerConfig(
-                task=loop_config.task, group_size=loop_config.group_size, groups_in_flight=loop_config.groups_in_flight,
-                sampling=loop_config.sampling, one_sample_per_turn=loop_config.one_sample_per_turn)
+            producer_config = AgentProducerConfig(
+                agent=loop_config.agent, agent_kwargs=dict(loop_config.agent_kwargs), group_size=loop_config.group_size,
+                groups_in_flight=loop_config.groups_in_flight, num_producers=loop_config.num_producers,
+                sampling=loop_config.sampling, timeout_s=loop_config.timeout_s,
+                tokenizer_dir=model_dir if loop_config.tokenizer_dir is not None else None,
+                max_sequence_length=config.train.model.max_position_embeddings, seed=loop_config.seed)
             for index in range(loop_config.num_producers):
-                dataset = None
-                if index == 0 and loop_config.dataset_prompts:
-                    from ray import data as ray_data
-
-                    rows = prompt_rows(loop_config.task, stream_seed(loop_config.seed, DATASET_STREAM, first_step),
-                                       0, loop_config.dataset_prompts)
-                    dataset = ray_data.from_items(rows)
                 cursor = cursors[index] if cursors and index < len(cursors) else None
-                loop.producers.append(start_env_producer(
-                    index, producer_config, scheduler, client, cursor=cursor, dataset=dataset,
-                    seed=stream_seed(loop_config.seed, index, first_step)))
+                loop.producers.append(start_agent_producer(index, producer_config, scheduler, client, prompts,
+                                                           cursor=cursor))
         except BaseException:
             loop.shutdown()
             raise

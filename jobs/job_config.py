@@ -15,16 +15,17 @@ so a wrong config fails at start-up, before any actor exists.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from actors.producers import ProducerConfig
-from actors.rollout_engine import EngineConfig, SamplingConfig
+from actors.rollout_engine import EngineConfig
 from actors.scheduler_api import SchedulerConfig
 from actors.train_config import LossConfig, ModelConfig, OptimizerConfig, TrainGroupConfig
 from jobs.config_loader import apply_overrides, config_from_mapping, describe, load_yaml
 from jobs.tracking import LOGGER_NAMES
 from jobs.tracking_backends import MlflowConfig, TensorBoardConfig, WandbConfig
 from vgbs_ray.config import BatchConfig, check_schedule_configs
-from vgbs_ray.envs.digits import VOCAB_SIZE, DigitTaskConfig
+from vgbs_ray.agents import SamplingConfig
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.intake import IntakeConfig
 from vgbs_ray.lr_schedule import LRScheduleConfig
@@ -33,9 +34,10 @@ from vgbs_ray.off_policy import OffPolicyConfig
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    num_steps: int = 120
+    num_steps: int = 80
     """Optimizer steps to train; the run also ends when producers are done and the last (partial) step is trained.
-    120: the closed-loop demo's digit task reaches a mean reward of 0.8 after ~60-75 steps (measured)."""
+    80: the closed-loop demo's digit agent reaches a mean sampled reward of 0.8 after ~50-60 steps (measured);
+    past ~0.95 nearly every group is uniform and dropped, so later steps mostly wait for sampling."""
     output_dir: str = "runs/latest"
     """Step records (steps.jsonl), the plot (steps.png), the summary and checkpoints go here."""
     checkpoint_every: int = 10
@@ -86,54 +88,108 @@ class RunConfig:
                               + (f" ({unknown} unknown)" if unknown else ""))
 
 
+DIGIT_AGENT = "examples.digit_agent"
+"""The demo's agent module (examples/digit_agent.py): named by import path like any user's."""
+DIGIT_VOCAB_SIZE = 17
+"""The digit agent's tokenizer (examples/digit_tokenizer): 10 digits, 3 chat tokens, 3 feedback words, pad."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetConfig:
+    """Prompt rows from a file, read with Ray Data (any filesystem it reads: local, s3://, gs://, ...)."""
+
+    path: str
+    """A JSON Lines (.jsonl / .json) or Parquet (.parquet) file or directory."""
+    format: Literal["auto", "json", "parquet"] = "auto"
+    """"auto": by the path's extension."""
+    keys: tuple[str, ...] | None = None
+    """Columns the agent gets in its row (None: every column)."""
+    epochs: int = 1
+    """Passes over the rows; the run's input ends after the last one."""
+    shuffle_seed: int | None = 0
+    """Each epoch's row order is a permutation seeded by (shuffle_seed, epoch); None = file order."""
+
+    def __post_init__(self):
+        if not self.path:
+            raise ConfigError("closed_loop.dataset.path must name a JSON Lines or Parquet file")
+        if self.format not in ("auto", "json", "parquet"):
+            raise ConfigError(f"closed_loop.dataset.format must be auto, json or parquet, got {self.format!r}")
+        if self.resolved_format is None:
+            raise ConfigError(f"closed_loop.dataset.path={self.path!r}: cannot tell the format from the extension; "
+                              "set closed_loop.dataset.format to json or parquet")
+        if not isinstance(self.epochs, int) or self.epochs < 1:
+            raise ConfigError(f"closed_loop.dataset.epochs must be an integer >= 1, got {self.epochs!r}")
+
+    @property
+    def resolved_format(self) -> str | None:
+        if self.format != "auto":
+            return self.format
+        path = self.path.rstrip("/").lower()
+        if path.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")):
+            return "json"
+        if path.endswith((".parquet", ".pq")):
+            return "parquet"
+        return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClosedLoopConfig:
-    """The closed loop (the job's default): producers sample the policy being trained.
+    """The closed loop (the job's default): agents sample the policy being trained.
 
     Rollout engines (vLLM) start from the train group's initial weights and load every version it
-    publishes (one per optimizer step); `num_producers` EnvProducers answer digit-task prompts in
-    GRPO groups through them and push the samples to the scheduler.
+    publishes (one per optimizer step); `num_producers` AgentProducers run the agent named by
+    `agent` in GRPO groups of `group_size` on prompt rows (from `dataset`, or from `prompts`)
+    and push the samples to the scheduler. docs/agents.md says how to write one.
     """
 
     enabled: bool = True
     """false: the synthetic producers of the `producers` section feed the scheduler instead (no engines),
     and the defaults become the synthetic run's (SYNTHETIC_DEFAULTS: gbs 8, 8 steps, checkpoint every 2,
     on-policy ppo: synthetic samples carry no behaviour log-probs, vocabulary 128, lr 1e-4); keys you set still win."""
-    task: DigitTaskConfig = field(default_factory=DigitTaskConfig)
-    """The verifiable task (rule, prompt lengths, reward per turn); its 16-token vocabulary is the model's."""
+    agent: str = f"{DIGIT_AGENT}:make_agent"
+    """Import path of the agent factory ('module:function'), called with agent_kwargs; ship the module with
+    `ray job submit --working-dir .` (or run from its directory)."""
+    agent_kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of the agent factory."""
+    prompts: str | None = f"{DIGIT_AGENT}:make_prompts"
+    """Import path of a prompt generator `make(seed, **prompts_kwargs) -> (position -> row dict)`; used when
+    `dataset` is not set."""
+    prompts_kwargs: dict = field(default_factory=dict)
+    dataset: DatasetConfig | None = None
+    """Prompt rows from a file (set closed_loop.dataset.path=...); takes the place of `prompts`."""
+    tokenizer_dir: str | None = "examples/digit_tokenizer"
+    """A Hugging Face tokenizer directory (tokenizer.json, chat template) that chat sessions and the engines
+    use, copied next to the policy's weights; None = token-id-only agents."""
     engines: EngineConfig = field(default_factory=lambda: EngineConfig(num_engines=1, max_model_len=32))
     """vLLM rollout engines (count, CPUs or GPUs each, max_model_len <= train.model.max_position_embeddings)."""
-    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_tokens=1, temperature=1.0, seed=0))
-    """Per turn: one answer token, temperature 1 over the whole vocabulary (seeded per prompt, turn and member)."""
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_tokens=16, temperature=1.0, seed=0))
+    """What a request without its own SamplingConfig uses; every request's seed is mixed with its rollout's."""
     num_producers: int = 2
-    """EnvProducer actors (asyncio, num_cpus=0)."""
+    """AgentProducer actors (asyncio, num_cpus=0); producer i answers prompt positions i, i + n, ..."""
     groups_in_flight: int = 8
-    """GRPO groups each producer samples concurrently (each admitted by the scheduler before it starts)."""
+    """GRPO groups each producer runs concurrently (each admitted by the scheduler before it starts)."""
     group_size: int = 8
-    """Rollouts per prompt (GRPO group)."""
-    dataset_prompts: int = 32
-    """Prompts that come from a Ray Data dataset (read by producer 0 besides its own generator); 0 = none."""
-    one_sample_per_turn: bool = True
-    """true: a rollout that retried yields 2 samples (context compaction); false: one transcript sample."""
+    """Rollouts per prompt row (GRPO group)."""
+    timeout_s: float = 300.0
+    """Seconds one rollout (one agent call) may run; past it the group is dropped as `agent_timeout`."""
     seed: int = 0
-    """Prompt streams (one per producer, one for the dataset) and sampling derive from it."""
+    """Prompt generation and sampling seeds derive from it."""
 
     def __post_init__(self):
         for name in ("num_producers", "groups_in_flight", "group_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"closed_loop.{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.dataset_prompts, int) or self.dataset_prompts < 0:
-            raise ConfigError(f"closed_loop.dataset_prompts must be an integer >= 0, got {self.dataset_prompts!r}")
-        if self.sampling.max_tokens != 1:
-            raise ConfigError(f"closed_loop.sampling.max_tokens must be 1 (one answer token per turn), got "
-                              f"{self.sampling.max_tokens}")
         if self.group_size < 2:
             raise ConfigError(f"closed_loop.group_size must be >= 2: GRPO advantages compare a group's rollouts, "
                               f"got {self.group_size}")
-        if self.engines.max_model_len < self.task.max_sequence_length:
-            raise ConfigError(f"closed_loop.engines.max_model_len={self.engines.max_model_len} is shorter than the "
-                              f"task's longest episode ({self.task.max_sequence_length} tokens): raise it")
+        if not isinstance(self.agent, str) or self.agent.count(":") != 1:
+            raise ConfigError(f"closed_loop.agent={self.agent!r} must be an import path 'module:function'")
+        if self.dataset is None and not self.prompts:
+            raise ConfigError("closed_loop needs prompts: set closed_loop.dataset.path (a file) or closed_loop.prompts "
+                              "(a generator's import path)")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"closed_loop.timeout_s must be > 0 seconds, got {self.timeout_s}")
 
 
 def _default_scheduler() -> SchedulerConfig:
@@ -145,8 +201,8 @@ def _default_scheduler() -> SchedulerConfig:
 def _default_train() -> TrainGroupConfig:
     # Rollouts up to one policy version old, with decoupled PPO's correction (the closed loop's default).
     loss = LossConfig(off_policy=OffPolicyConfig(max_staleness=1, policy_loss="decoupled_ppo"))
-    # The tiny Llama with the digit task's vocabulary; Adam 1e-3 (measured: benchmarks/bench_env_learning.py).
-    return TrainGroupConfig(dp_size=2, model=ModelConfig(vocab_size=VOCAB_SIZE), loss=loss,
+    # The tiny Llama with the digit agent's vocabulary; Adam 1e-3 (measured: benchmarks/bench_env_learning.py).
+    return TrainGroupConfig(dp_size=2, model=ModelConfig(vocab_size=DIGIT_VOCAB_SIZE), loss=loss,
                             optimizer=OptimizerConfig(lr_schedule=LRScheduleConfig(lr=1e-3)))
 
 
@@ -182,9 +238,6 @@ class JobConfig:
 
     def _check_closed_loop(self) -> None:
         loop, model = self.closed_loop, self.train.model
-        if model.vocab_size != VOCAB_SIZE:
-            raise ConfigError(f"train.model.vocab_size={model.vocab_size} must be the digit task's vocabulary "
-                              f"({VOCAB_SIZE}) in the closed loop (or set closed_loop.enabled=false)")
         if loop.engines.max_model_len > model.max_position_embeddings:
             raise ConfigError(f"closed_loop.engines.max_model_len={loop.engines.max_model_len} exceeds "
                               f"train.model.max_position_embeddings={model.max_position_embeddings}")

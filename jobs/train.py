@@ -80,6 +80,25 @@ def init_ray(config: JobConfig) -> bool:
     return False
 
 
+def check_tokenizer_fits(config: JobConfig) -> None:
+    """The closed loop's tokenizer must fit the model's vocabulary (every id it makes is a model token)."""
+    loop = config.closed_loop
+    if not loop.enabled:
+        return
+    if loop.tokenizer_dir is None:
+        log.info("closed_loop.tokenizer_dir is not set: agents get token ids only (ctx.chat needs a tokenizer)")
+        return
+    if not os.path.isdir(loop.tokenizer_dir):
+        raise ConfigError(f"closed_loop.tokenizer_dir={loop.tokenizer_dir!r} is not a directory (run from the "
+                          "project's root, or give an absolute path)")
+    from transformers import AutoTokenizer
+
+    size = len(AutoTokenizer.from_pretrained(loop.tokenizer_dir))
+    if size > config.train.model.vocab_size:
+        raise ConfigError(f"closed_loop.tokenizer_dir={loop.tokenizer_dir!r} has {size} tokens but train.model."
+                          f"vocab_size={config.train.model.vocab_size}: raise the vocabulary to at least {size}")
+
+
 def check_cluster_fits(config: JobConfig, resources: dict[str, float]) -> None:
     """Impossible parallel sizes for this cluster fail now, not as a placement group that waits forever."""
     train = config.train
@@ -192,12 +211,11 @@ def train(config: JobConfig, records_path: str, on_event=None) -> dict:
         if config.closed_loop.enabled:
             # Engines from the weights the group starts with (version = steps trained so far), then producers.
             started = time.monotonic()
-            loop = ClosedLoop.start(config, scheduler, controller.group, policy_version=first_step,
-                                    first_step=first_step, cursors=cursors)
+            loop = ClosedLoop.start(config, scheduler, controller.group, policy_version=first_step, cursors=cursors)
             producers = loop.producers
             controller.attach_producers(producers, cursors)
             print(f"closed loop: {config.closed_loop.engines.num_engines} rollout engine(s) at policy version "
-                  f"{first_step}, {len(producers)} env producers ({time.monotonic() - started:.1f} s)", flush=True)
+                  f"{first_step}, {len(producers)} producers of {config.closed_loop.agent} ({time.monotonic() - started:.1f} s)", flush=True)
         else:
             producers = start_producers(config.producers, scheduler, cursors)
             controller.attach_producers(producers, cursors)
@@ -227,7 +245,7 @@ def train(config: JobConfig, records_path: str, on_event=None) -> dict:
         summary = {**summarize(stats, trained, elapsed, controller), "producers": close_input.outcome()}
         if loop is not None:
             summary["closed_loop"] = closed_loop_summary(trained, close_input.reports, loop, stats=stats,
-                                                           elapsed_s=elapsed, config=config)
+                                                           elapsed_s=elapsed)
         tracker.finish(trained, summary, counters_from_stats(stats, len(controller.recoveries)))
         tracker.close()
         if tracker.active:
@@ -311,7 +329,9 @@ def run_steps(config: JobConfig, controller: TrainController, recorder: StepReco
                                         if controller.last_stats is not None else None)
                     continue
                 print(f"input ended after {step - first} steps", flush=True)
-            if step != first and controller.checkpointed_step != step:
+                if step != first:  # again even at a cadence step: rollouts dropped at the end belong in it
+                    controller.checkpoint(step)
+            elif step != first and controller.checkpointed_step != step:
                 controller.checkpoint(step)
             return [lines[s] for s in sorted(lines)]
         except RECOVERABLE_ERRORS as error:
@@ -342,18 +362,22 @@ def summarize(stats, trained: list[StepLine], elapsed_s: float, controller: Trai
 
 
 def closed_loop_summary(trained: list[StepLine], reports: list, loop: ClosedLoop, *, stats=None,
-                        elapsed_s: float | None = None, config: JobConfig | None = None) -> dict:
+                        elapsed_s: float | None = None) -> dict:
     """The closed loop's part of the summary: reward curve ends, staleness, sync times, producer counts,
-    and how the overlap went (`overlap_summary`, when the scheduler's `stats`, the step loop's
-    `elapsed_s` and the job's `config` are given)."""
+    groups the agents lost by reason, the agents' own metrics, and how the overlap went
+    (`overlap_summary`, when the scheduler's `stats` and the step loop's `elapsed_s` are given)."""
     def mean(values):
         values = [v for v in values if v is not None and v == v]
         return round(sum(values) / len(values), 4) if values else None
 
     sampled = [line.sampled_reward for line in trained]
     counts = {key: sum(getattr(r, key) for r in reports)
-              for key in ("groups", "rollouts", "samples", "dataset_groups", "deferred_retries", "rejected_samples",
-                          "abandoned_rollouts", "not_admitted")}
+              for key in ("groups", "rollouts", "samples", "deferred_retries", "rejected_samples",
+                          "abandoned_rollouts", "not_admitted", "skipped_known_groups")}
+    failed: dict[str, int] = {}
+    for report in reports:
+        for reason, groups in report.failed_groups.items():
+            failed[reason] = failed.get(reason, 0) + groups
     return {
         "sampled_reward_first10": mean(sampled[:10]), "sampled_reward_last10": mean(sampled[-10:]),
         "trained_reward_first10": mean([line.reward for line in trained[:10]]),
@@ -366,43 +390,40 @@ def closed_loop_summary(trained: list[StepLine], reports: list, loop: ClosedLoop
         "engine_idle_share": round(loop.engine_idle_share(), 3),
         "restored_versions": loop.restored_versions,
         "producers": counts,
+        "failed_groups": failed,
+        "agent_metrics": agent_metrics(reports),
         "engine_wait_s": round(sum(r.engine_wait_s for r in reports), 2),
         "producer_idle_s": round(sum(r.idle_s for r in reports), 2),
-        **(overlap_summary(trained, counts, stats, elapsed_s, config) if stats is not None else {}),
+        **(overlap_summary(trained, stats, elapsed_s) if stats is not None else {}),
     }
 
 
-def overlap_summary(trained: list[StepLine], counts: dict, stats, elapsed_s: float | None,
-                    config: JobConfig | None) -> dict:
+def agent_metrics(reports: list) -> dict:
+    """Each metric the agents reported, as its mean per pushed rollout over every producer."""
+    sums: dict[str, float] = {}
+    rollouts = sum(r.rollouts for r in reports)
+    for report in reports:
+        for name, mean in report.agent_metrics.items():
+            sums[name] = sums.get(name, 0.0) + mean * report.rollouts
+    return {name: round(total / rollouts, 4) for name, total in sums.items()} if rollouts else {}
+
+
+def overlap_summary(trained: list[StepLine], stats, elapsed_s: float | None) -> dict:
     """Did sampling overlap training, and at what cost (shares are fractions in [0, 1]):
 
     - trainer_idle_share: the train group's summed shard waits over the step loop's wall time;
     - finished_rollouts: rollouts the scheduler accepted whole (trained, dropped for any reason
       or still buffered; `incomplete_rollout` drops excluded); stale_drop_share: the ones dropped
       as too stale (`stale`) over them;
-    - second_turn_share_pushed / _trained: the share of rollouts that needed a second turn (the
-      long ones: with `closed_loop.one_sample_per_turn` such a rollout is 2 samples, so the count is
-      samples - rollouts) among every rollout the producers pushed (filtered groups included) and
-      among the trained ones; None unless the task has exactly 2 turns and one sample per turn.
     """
     drops = stats.ledger.dropped_by_reason
     finished = stats.ledger.num_rollouts_accepted - drops.get("incomplete_rollout", 0)
     wait_s = sum(line.shard_wait_s or 0.0 for line in trained)
-    counted = (config is not None and config.closed_loop.one_sample_per_turn
-               and len(config.closed_loop.task.turn_rewards) == 2)
-    trained_rollouts = sum(line.num_rollouts for line in trained)
-
-    def second_turn_share(rollouts: int, samples: int) -> float | None:
-        return round((samples - rollouts) / rollouts, 4) if counted and rollouts else None
-
     return {
         "trainer_idle_share": round(wait_s / elapsed_s, 3) if elapsed_s else None,
         "finished_rollouts": finished,
         "stale_dropped_rollouts": drops.get("stale", 0),
         "stale_drop_share": round(drops.get("stale", 0) / finished, 4) if finished else None,
-        "second_turn_share_pushed": second_turn_share(counts["rollouts"], counts["samples"]),
-        "second_turn_share_trained": second_turn_share(trained_rollouts,
-                                                       sum(line.num_samples for line in trained)),
     }
 
 
@@ -410,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
     config = load_job_config(args.config, args.set)  # a wrong config fails here, before any actor exists
+    check_tokenizer_fits(config)
     out = config.run.output_dir
     os.makedirs(out, exist_ok=True)
     records_path = args.records or os.path.join(out, "steps.jsonl")

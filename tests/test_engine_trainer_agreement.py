@@ -13,10 +13,11 @@ import ray
 import torch
 
 from actors.hf_checkpoint import write_hf_checkpoint
-from actors.rollout_engine import EngineConfig, RolloutEnginePool, SamplingConfig
+from actors.rollout_engine import EngineConfig, RolloutEnginePool
 from actors.train_config import LossConfig, ModelConfig
 from actors.weight_sync import publish_weights
 from tests.train_support import sgd_config
+from vgbs_ray.agents import SamplingConfig
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.off_policy import OffPolicyConfig
 from vgbs_ray.policy_loss import OFF_POLICY_METRIC_NAMES

@@ -21,8 +21,11 @@ def test_embedded_default_is_the_tiny_local_run():
     assert config.run.ray_address == "local"
     assert config.train.backend == "gloo" and config.train.dp_size == 2
     assert config.scheduler.batch.global_batch_size == 64 and config.scheduler.batch.leftover == "partial"
-    # The closed loop is the default: the digit task's vocabulary, staleness 1 with its correction.
-    assert config.closed_loop.enabled and config.train.model.vocab_size == 16
+    # The closed loop is the default: the digit agent's tokenizer is the vocabulary, staleness 1 with its correction.
+    from transformers import AutoTokenizer
+
+    assert config.closed_loop.enabled and config.closed_loop.agent == "examples.digit_agent:make_agent"
+    assert config.train.model.vocab_size == len(AutoTokenizer.from_pretrained(ROOT / config.closed_loop.tokenizer_dir))
     assert config.train.loss.off_policy.max_staleness == 1
     assert config.train.loss.off_policy.policy_loss == "decoupled_ppo"
 
@@ -60,9 +63,10 @@ def test_overrides_change_only_the_named_keys():
         (["scheduler.batch.global_batch_size=1"], r"global_batch_size=1 rollouts is fewer than"),
         (["closed_loop.enabled=false", "producers.rollouts.max_sequence_length=1024"],
          r"exceeds train.model.max_position_embeddings"),
-        (["train.model.vocab_size=128"], r"must be the digit task's vocabulary \(16\).*closed_loop.enabled=false"),
         (["closed_loop.group_size=1"], r"closed_loop.group_size must be >= 2"),
-        (["closed_loop.engines.max_model_len=4"], r"shorter than the task's longest episode"),
+        (["closed_loop.agent=my_agents.make"], r"closed_loop.agent='my_agents.make' must be an import path"),
+        (["closed_loop.dataset.path=prompts.csv"], r"cannot tell the format.*closed_loop.dataset.format"),
+        (["closed_loop.prompts=null"], r"closed_loop needs prompts"),
         (["train.tp_size=3"], r"tp_size=3 must divide"),
         (["scheduler.batch.balance=fast"], r"balance must be one of"),
         (["run"], r"section.key=value"),
@@ -130,3 +134,14 @@ def test_cluster_yaml_names_the_setup_the_readme_describes():
         assert name in readme
     assert "ray up cluster.yaml" in readme and "jobs/configs/cluster_16gpu.yaml" in readme
     assert f"{gpus} GPUs" in readme
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_fails_before_any_actor(monkeypatch):
+    from jobs.train import check_tokenizer_fits
+
+    monkeypatch.chdir(ROOT)
+    check_tokenizer_fits(load_job_config())  # the demo's own: fits exactly
+    with pytest.raises(ConfigError, match=r"has 17 tokens but train.model.vocab_size=16"):
+        check_tokenizer_fits(load_job_config(None, ["train.model.vocab_size=16"]))
+    with pytest.raises(ConfigError, match=r"tokenizer_dir='nowhere' is not a directory"):
+        check_tokenizer_fits(load_job_config(None, ["closed_loop.tokenizer_dir=nowhere"]))

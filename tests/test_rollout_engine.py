@@ -16,10 +16,11 @@ import ray
 import torch
 
 from actors.hf_checkpoint import write_hf_checkpoint
-from actors.rollout_engine import EngineConfig, EngineDiedError, RequestTooLongError, RolloutEnginePool, SamplingConfig
+from actors.rollout_engine import EngineConfig, EngineDiedError, RolloutEnginePool
 from actors.train_config import ModelConfig
 from actors.weight_sync import publish_weights
 from tests.train_support import ensure_single_process_group, make_samples, sgd_config
+from vgbs_ray.agents import RequestTooLongError, SamplingConfig
 
 pytestmark = pytest.mark.slow  # vLLM and Megatron actors: about a minute on 2 cores
 

@@ -3,8 +3,13 @@
 States and the only legal transitions:
 
     (new) ──accept──▶ BUFFERED ──schedule(k)──▶ SCHEDULED(k) ──train(k)──▶ TRAINED(k)
-                         │
-                         └──drop(reason)──▶ DROPPED(reason)
+      │                  │
+      │                  └──drop(reason)──▶ DROPPED(reason)
+      └──fail(reason)───────────────────────▶ DROPPED(reason)
+
+`fail` is a producer's report that a rollout it started never produced samples (its agent
+raised, hung, ...): the rollout is accepted and dropped in one transition, so it is counted
+with its reason like every other drop, and a later push of the same id is rejected.
 
 Live rollouts (BUFFERED, SCHEDULED) are entries of a dict; settled ones (TRAINED, DROPPED)
 move into `SettledIds`, an exact compact table (tens of bytes per rollout), so the ledger
@@ -265,6 +270,12 @@ class Ledger:
         self._by_state[RolloutState.BUFFERED] -= 1
         self._by_state[RolloutState.DROPPED] += 1
         self._by_drop_reason[reason] += 1
+
+    def fail(self, rollout_id: Hashable, reason: str) -> None:
+        """A rollout the producer lost before any sample arrived: accepted and DROPPED(reason) at once.
+        The caller has checked (`get`) that the ledger does not know it."""
+        self.accept_sample(rollout_id)
+        self.drop(rollout_id, reason)
 
     def _expect(self, rollout_id, state: RolloutState, new: str) -> None:
         old = self._live.get(rollout_id)

@@ -1,0 +1,421 @@
+"""The producer: runs a user's agent in GRPO groups through the engine pool and pushes the samples.
+
+    producer, run_ref = start_agent_producer(0, config, scheduler, engines.client(), prompts, cursor=None)
+    ray.get(producer.cursor.remote())       # {"next_index": k}: resume from here
+    ray.get(producer.stop.remote())         # in-flight groups are abandoned (scheduler.abandon)
+
+`AgentProducer` is an asyncio actor (`num_cpus=0`: it only awaits) with `groups_in_flight`
+workers. Each worker loops: take this producer's next prompt position (`PromptSpec`: a dataset
+file's rows or a generator named by import path; producer i of P answers positions i, i+P, ...),
+ask the scheduler to admit the group's rollout ids at the engines' current policy version, run
+the group (`vgbs_ray.agents.run_group`: `group_size` agent calls on the row, each with its own
+`RolloutContext`), and push the group's samples in one `submit`, resubmitting what was deferred.
+A group an agent failed (raised, hung past `timeout_s`, non-finite reward, too long) is
+reported with `fail_rollouts(ids, reason)`: the ledger counts it dropped by that reason, the
+producer goes on. Uniform-reward groups are pushed too: the scheduler's dynamic-sampling filter
+drops them.
+
+Engine requests issued in the same event-loop pass (a group's members' turns) go to the engines
+as one call (`_Batcher`), so a group costs one Ray call per turn, as a batched driver would.
+
+Invariants:
+- Rollout ids are `{prompt key}-r{member}`: a pure function of the prompt's position, so a
+  producer resumed from `cursor()` regenerates exactly the groups not pushed, with the same ids
+  (the scheduler rejects a re-pushed duplicate; `admit` names the ids it holds and they are skipped).
+- `cursor()` is the oldest of this producer's own positions drawn but not yet settled (pushed or
+  failed), or the next undrawn one.
+- A group is pushed whole or not at all; a stopped producer abandons its unpushed groups and
+  tells the scheduler (`abandon`), so admitted-but-never-pushed rollouts hold no staleness budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import ray
+
+from actors.rollout_engine import EngineError
+from vgbs_ray.agents import RequestTooLongError, RolloutContext, SamplingConfig, load_agent, resolve, run_group
+from vgbs_ray.errors import ConfigError
+from vgbs_ray.prompt_source import DatasetPrompts, GeneratedPrompts, producer_positions, source_length
+
+log = logging.getLogger("vgbs.producer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptSpec:
+    """Where a producer's prompts come from: dataset rows (read by the job) or a generator by import path."""
+
+    rows: Any = None
+    """The dataset's rows (a list of dicts, or an ObjectRef of one)."""
+    epochs: int = 1
+    shuffle_seed: int | None = None
+    keys: tuple[str, ...] | None = None
+    """Columns the agent gets (None: all)."""
+    generator: str | None = None
+    """Import path of `make(seed, **kwargs) -> (position -> row)`."""
+    generator_kwargs: dict = field(default_factory=dict)
+    seed: int = 0
+
+    def build(self):
+        if self.generator is not None:
+            return GeneratedPrompts(resolve(self.generator, "closed_loop.prompts")(seed=self.seed,
+                                                                                   **self.generator_kwargs))
+        rows = ray.get(self.rows) if isinstance(self.rows, ray.ObjectRef) else self.rows
+        return DatasetPrompts(rows, epochs=self.epochs, shuffle_seed=self.shuffle_seed, keys=self.keys,
+                              name="closed_loop.dataset")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentProducerConfig:
+    """One producer's settings (the job builds it from its `closed_loop` section)."""
+
+    agent: str
+    """Import path of the agent factory, e.g. 'my_pkg.agents:make_agent'."""
+    agent_kwargs: dict = field(default_factory=dict)
+    group_size: int = 8
+    """Rollouts per prompt row (GRPO group)."""
+    groups_in_flight: int = 8
+    """Groups this producer runs concurrently (each is admitted before it starts)."""
+    num_producers: int = 1
+    """Producers splitting the prompt source (this one takes every num_producers-th position)."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """What a request without its own SamplingConfig uses."""
+    timeout_s: float = 300.0
+    """Seconds one rollout (one agent call) may take before it is lost as `agent_timeout`."""
+    tokenizer_dir: str | None = None
+    """A Hugging Face tokenizer directory for chat sessions (None: token-id-only agents)."""
+    max_sequence_length: int | None = None
+    """The model's longest sample in tokens: a longer rollout is lost as `too_long`."""
+    max_prompts: int | None = None
+    """Prompts this producer answers before `run` returns; None = until the source ends or `stop()`."""
+    seed: int = 0
+    """Sampling seeds derive from it, the prompt position and the member."""
+    admit_retry_s: float = 0.05
+
+    def __post_init__(self):
+        for name in ("group_size", "groups_in_flight", "num_producers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"AgentProducerConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.timeout_s <= 0 or self.admit_retry_s <= 0:
+            raise ConfigError(f"AgentProducerConfig: timeout_s and admit_retry_s must be > 0 seconds, got "
+                              f"{self.timeout_s}, {self.admit_retry_s}")
+        if self.max_prompts is not None and self.max_prompts < 0:
+            raise ConfigError(f"AgentProducerConfig.max_prompts must be >= 0 or None, got {self.max_prompts}")
+
+
+@dataclass(frozen=True)
+class AgentProducerReport:
+    """What one producer did (times in seconds, summed over its workers)."""
+
+    agent: int
+    """This producer's index."""
+    groups: int
+    """Groups wholly pushed (accepted, rejected or filtered by the scheduler)."""
+    rollouts: int
+    samples: int
+    failed_groups: dict
+    """Groups an agent lost, by drop reason."""
+    deferred_retries: int
+    rejected_samples: int
+    abandoned_rollouts: int
+    """Rollouts of groups started but not pushed when `stop()` came."""
+    not_admitted: int
+    """Admission refusals (each followed by a wait and a new request)."""
+    skipped_known_groups: int
+    """Groups not run because the scheduler already held all their rollouts (a resumed run)."""
+    engine_wait_s: float
+    """Awaiting the engines' generate."""
+    idle_s: float
+    """Awaiting admission or a deferred push's retry (not sampling)."""
+    mean_reward: float | None
+    """Over every pushed rollout (filtered groups included): the sampling policy's reward."""
+    agent_metrics: dict
+    """Mean per rollout of each metric the agents reported, over pushed rollouts."""
+    stopped: bool
+    in_flight: int
+    """Prompts a worker is answering at the time of the report."""
+    awaiting_engine: int
+    """Of those: prompts with a request at the engines at the time of the report."""
+    cursor: dict
+
+
+class _Batcher:
+    """Engine requests made in one event-loop pass go out as one call (see module docstring)."""
+
+    def __init__(self, engines, times: dict):
+        self._engines, self._times = engines, times
+        self._pending: list[tuple[list[int], SamplingConfig, asyncio.Future]] = []
+
+    async def generate(self, token_ids, sampling: SamplingConfig):
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if not self._pending:
+            loop.call_soon(lambda: asyncio.ensure_future(self._flush()))
+        self._pending.append((list(token_ids), sampling, future))
+        return await future
+
+    async def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        started = time.perf_counter()
+        try:
+            try:
+                generations = await self._engines.generate([ids for ids, _, _ in batch], [s for _, s, _ in batch])
+            except RequestTooLongError:
+                if len(batch) == 1:
+                    raise
+                # One request does not fit: the engine refused the whole call. Send each alone, so only
+                # the rollout that asked too much loses its group.
+                await asyncio.gather(*[self._one(ids, sampling, future) for ids, sampling, future in batch])
+                return
+        except BaseException as error:  # noqa: BLE001 - every caller of the batch gets the error
+            for _, _, future in batch:
+                if not future.done():
+                    future.set_exception(error)
+            return
+        finally:
+            self._times["engine_wait_s"] += time.perf_counter() - started
+        for (_, _, future), generation in zip(batch, generations):
+            if not future.done():
+                future.set_result(generation)
+
+    async def _one(self, ids, sampling: SamplingConfig, future: asyncio.Future) -> None:
+        try:
+            (generation,) = await self._engines.generate([ids], [sampling])
+        except BaseException as error:  # noqa: BLE001 - this caller's own error
+            if not future.done():
+                future.set_exception(error)
+            return
+        if not future.done():
+            future.set_result(generation)
+
+
+class AgentProducer:
+    """See module docstring. Made remote by `start_agent_producer`."""
+
+    def __init__(self, index: int, config: AgentProducerConfig, scheduler, engines, prompts: PromptSpec, *,
+                 cursor: dict | None = None):
+        self._index, self._config, self._scheduler, self._engines = index, config, scheduler, engines
+        self._agent = load_agent(config.agent, config.agent_kwargs)
+        self._source = prompts.build()
+        self._tokenizer = None
+        if config.tokenizer_dir is not None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir)
+        self._sampling = config.sampling
+        eos = getattr(self._tokenizer, "eos_token_id", None)
+        if eos is not None and not self._sampling.stop_token_ids:  # the tokenizer's end of turn ends a reply
+            self._sampling = replace(self._sampling, stop_token_ids=(int(eos),))
+        start = int(cursor["next_index"]) if cursor is not None else 0
+        self._positions = producer_positions(index, config.num_producers, start, source_length(self._source))
+        self._next_local = start
+        self._drawn = 0
+        self._unsettled: set[int] = set()  # own indices drawn, not yet pushed or failed (abandoned ones stay)
+        self._working: set[int] = set()  # own indices a worker is answering now
+        self._awaiting_engine: dict[int, int] = {}  # own index -> its requests at the engines now
+        self._admitted: dict[int, list] = {}  # own index -> rollout ids admitted, not yet pushed
+        self._stop = asyncio.Event()
+        self._counts = dict(groups=0, rollouts=0, samples=0, deferred_retries=0, rejected_samples=0,
+                            abandoned_rollouts=0, not_admitted=0, skipped_known_groups=0)
+        self._failed: dict[str, int] = {}
+        self._times = dict(engine_wait_s=0.0, idle_s=0.0)
+        self._batcher = _Batcher(engines, self._times)
+        self._reward_sum, self._reward_count = 0.0, 0
+        self._metric_sums: dict[str, float] = {}
+        self._unreported = (0.0, 0)
+        self._running = False
+        self._finished = asyncio.Event()
+
+    # -- the actor's API -----------------------------------------------------------------
+
+    async def run(self) -> AgentProducerReport:
+        """Run and push groups until `stop()`, the prompt source ends, or `max_prompts`."""
+        self._running = True
+        workers = [asyncio.create_task(self._worker()) for _ in range(self._config.groups_in_flight)]
+        try:
+            await asyncio.gather(*workers)
+        except BaseException:
+            # One worker failed (an engine died, the scheduler is gone): the others stop too and abandon
+            # their groups, then the error goes to the caller (the job counts a failed producer).
+            self._stop.set()
+            await asyncio.gather(*workers, return_exceptions=True)
+            raise
+        finally:
+            self._running = False
+            self._finished.set()
+        return self.report()
+
+    async def stop(self) -> AgentProducerReport:
+        """Stop: workers return at their next await; unpushed groups are abandoned (and the scheduler told)."""
+        self._stop.set()
+        if self._running:
+            await self._finished.wait()
+        return self.report()
+
+    def cursor(self) -> dict:
+        """{"next_index": k}: the oldest own position not yet settled (see module docstring)."""
+        return {"next_index": min(self._unsettled, default=self._next_local)}
+
+    def drain_rewards(self) -> tuple[float, int]:
+        """(sum, count) of the rewards of rollouts pushed since the previous call (filtered ones too)."""
+        drained, self._unreported = self._unreported, (0.0, 0)
+        return drained
+
+    def report(self) -> AgentProducerReport:
+        count = self._reward_count
+        return AgentProducerReport(
+            agent=self._index, **self._counts, failed_groups=dict(self._failed),
+            **{k: round(v, 3) for k, v in self._times.items()},
+            mean_reward=self._reward_sum / count if count else None,
+            agent_metrics={k: v / count for k, v in self._metric_sums.items()} if count else {},
+            stopped=self._stop.is_set(), in_flight=len(self._working),
+            awaiting_engine=len(self._awaiting_engine), cursor=self.cursor())
+
+    # -- workers -----------------------------------------------------------------------
+
+    async def _worker(self) -> None:
+        while not self._stop.is_set():
+            if self._config.max_prompts is not None and self._drawn >= self._config.max_prompts:
+                return
+            position = next(self._positions, None)
+            if position is None:
+                return
+            local = self._next_local
+            self._next_local += 1
+            self._drawn += 1
+            self._unsettled.add(local)
+            key, row = self._source.prompt(position)
+            self._working.add(local)
+            try:
+                settled = await self._answer(local, position, key, row)
+            except BaseException:
+                self._abandon(local)
+                raise
+            finally:
+                self._working.discard(local)
+            if not settled:
+                self._abandon(local)
+                return
+            self._unsettled.discard(local)
+
+    async def _answer(self, local: int, position: int, key: str, row: dict) -> bool:
+        """One group from admission to push (or to its failure report); False when stopped first."""
+        config = self._config
+        ids = [f"{key}-r{m}" for m in range(config.group_size)]
+        known = await self._admit(local, ids)
+        if known is None:
+            return False
+        if len(known) == len(ids):  # a resumed producer: the scheduler holds this group already
+            self._counts["skipped_known_groups"] += 1
+            return True
+        contexts = [RolloutContext(rollout_id=rid, group_id=key, member=m, group_size=config.group_size,
+                                   engine_generate=lambda ids, sampling: self._generate(local, ids, sampling),
+                                   tokenizer=self._tokenizer,
+                                   default_sampling=self._sampling,
+                                   seed=(config.seed * 1_000_003 + position) * 1_024 + m)
+                    for m, rid in enumerate(ids)]
+        outcome = await run_group(self._agent, row, contexts, timeout_s=config.timeout_s,
+                                  max_sequence_length=config.max_sequence_length, fatal_errors=(EngineError,))
+        if self._stop.is_set():
+            return False
+        if outcome.failure is not None:
+            reason, member, detail = outcome.failure
+            self._failed[reason] = self._failed.get(reason, 0) + 1
+            log.warning("producer %d: group %s lost (%s, member %d): %s", self._index, key, reason, member, detail)
+            await self._scheduler.fail_rollouts.remote([rid for rid in ids if rid not in known], reason)
+            self._admitted.pop(local, None)
+            return True
+        samples = [s for s in outcome.samples if s["rollout_id"] not in known]
+        if not await self._push(samples):
+            return False
+        self._admitted.pop(local, None)
+        rewards = list(outcome.rewards.values())
+        self._counts["groups"] += 1
+        self._counts["rollouts"] += len(rewards)
+        self._counts["samples"] += len(samples)
+        self._reward_sum += sum(rewards)
+        self._reward_count += len(rewards)
+        for name, value in outcome.metrics.items():
+            if name != "num_samples":
+                self._metric_sums[name] = self._metric_sums.get(name, 0.0) + value
+        self._unreported = (self._unreported[0] + sum(rewards), self._unreported[1] + len(rewards))
+        return True
+
+    async def _generate(self, local: int, token_ids, sampling: SamplingConfig):
+        self._awaiting_engine[local] = self._awaiting_engine.get(local, 0) + 1
+        try:
+            return await self._batcher.generate(token_ids, sampling)
+        finally:
+            self._awaiting_engine[local] -= 1
+            if not self._awaiting_engine[local]:
+                del self._awaiting_engine[local]
+
+    async def _admit(self, local: int, rollout_ids: list) -> frozenset | None:
+        """Wait until the scheduler admits the group at the engines' version; returns the ids the
+        scheduler already holds (pushed before a resume), or None if stopped first."""
+        while not self._stop.is_set():
+            decision = await self._scheduler.admit.remote(rollout_ids, await self._engine_version())
+            if decision.admit:
+                known = frozenset(decision.known)
+                self._admitted[local] = [rid for rid in rollout_ids if rid not in known]
+                return known
+            self._counts["not_admitted"] += 1
+            await self._idle(self._config.admit_retry_s)
+        return None
+
+    async def _engine_version(self) -> int:
+        """The oldest policy version any engine holds (a rollout may be sampled by any of them)."""
+        versions = await asyncio.gather(*[e.current_policy_version.remote() for e in self._engines.engines])
+        return min(versions)
+
+    async def _push(self, samples: list[dict]) -> bool:
+        while samples:
+            if self._stop.is_set():
+                return False
+            result = await self._scheduler.submit.remote(samples)
+            self._counts["rejected_samples"] += len(result.rejected)
+            if not result.deferred:
+                return True
+            self._counts["deferred_retries"] += 1
+            samples = [samples[i] for i in result.deferred]
+            await self._idle(result.retry_after_s or 0.05)
+        return True
+
+    async def _idle(self, seconds: float) -> None:
+        started = time.perf_counter()
+        try:
+            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
+        except asyncio.TimeoutError:
+            pass
+        self._times["idle_s"] += time.perf_counter() - started
+
+    def _abandon(self, local: int) -> None:
+        admitted = self._admitted.pop(local, None)
+        self._counts["abandoned_rollouts"] += self._config.group_size
+        if admitted:
+            self._scheduler.abandon.remote(admitted)  # fire and forget: the scheduler may be going away too
+
+
+def mean_reward(reports: list[AgentProducerReport]) -> float | None:
+    """Rollout-weighted mean reward over producers' reports."""
+    pairs = [(r.mean_reward * r.rollouts, r.rollouts) for r in reports if r.mean_reward is not None]
+    total = sum(count for _, count in pairs)
+    return sum(s for s, _ in pairs) / total if total else None
+
+
+def start_agent_producer(index: int, config: AgentProducerConfig, scheduler, engines, prompts: PromptSpec, *,
+                         cursor: dict | None = None, name: str | None = None):
+    """One AgentProducer actor (num_cpus=0, asyncio) and its `run` ref, as an (actor, ref) pair."""
+    remote = ray.remote(num_cpus=0, max_concurrency=1000)(AgentProducer)
+    actor = remote.options(name=name).remote(index, config, scheduler, engines, prompts, cursor=cursor)
+    return actor, actor.run.remote()
+
+
+__all__ = ["AgentProducer", "AgentProducerConfig", "AgentProducerReport", "PromptSpec", "mean_reward",
+           "start_agent_producer"]

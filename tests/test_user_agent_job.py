@@ -1,0 +1,139 @@
+"""A user's own agent and prompt file train through the job, and a resumed run answers every row once.
+
+As a user would: an agent module written in the test's temporary directory (nothing under
+vgbs_ray/, actors/ or jobs/ knows it), named by import path (`closed_loop.agent`), fed by a
+prompt file (`closed_loop.dataset`: JSON Lines, and Parquet), run with `python -m jobs.train` from
+that directory. Some rows make the agent fail, one way each (raise, hang past the timeout,
+non-finite reward, a request longer than the engine takes): those groups are dropped by name
+and the rest trains. The JSON Lines run stops after a checkpoint and is resumed with
+run.resume=true; it runs until the file is used up, and the final ledger holds every row's every
+rollout exactly once: trained in one step (as the step records say) or dropped with a reason.
+Slow: three closed-loop jobs, ~3-4 minutes in all.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jobs.progress import read_records
+
+pytestmark = pytest.mark.slow
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GROUP_SIZE = 4
+FAILING = {"raise": "agent_error", "hang": "agent_timeout", "nan": "non_finite_reward", "long": "too_long"}
+
+USER_AGENT = '''
+"""A user's agent: answer a digit question in a chat; the reward is the answer's token id / 16."""
+import asyncio
+import math
+
+from vgbs_ray.agents import AgentResult, SamplingConfig
+
+
+def make_agent(scale: float = 16.0):
+    async def agent(row, ctx):
+        if row["mode"] == "raise":
+            raise RuntimeError("the tool server is down")
+        if row["mode"] == "hang":
+            await asyncio.Event().wait()  # never returns: only closed_loop.timeout_s ends it
+        question = " ".join(str(d) for d in row["digits"])
+        if row["mode"] == "long":
+            question = " ".join(["7"] * 64)  # longer than the engine's max_model_len
+        chat = ctx.chat([{"role": "user", "content": question}])
+        answer = await chat.generate(SamplingConfig(max_tokens=1))
+        chat.messages.append({"role": "user", "content": "lower"})
+        again = await chat.generate(SamplingConfig(max_tokens=1))
+        if row["mode"] == "nan":
+            return math.nan
+        ids = ctx.tokenizer.convert_tokens_to_ids([answer, again])
+        return AgentResult(reward=sum(ids) / (2 * scale), metrics={"turns": 2})
+
+    return agent
+'''
+
+
+def write_user_project(root: pathlib.Path, rows: list[dict], kind: str) -> pathlib.Path:
+    (root / "my_agents").mkdir(parents=True)
+    (root / "my_agents" / "__init__.py").write_text("")
+    (root / "my_agents" / "chat_game.py").write_text(textwrap.dedent(USER_AGENT))
+    if kind == "jsonl":
+        path = root / "prompts.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = root / "prompts.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def prompt_rows(num_rows: int) -> list[dict]:
+    modes = list(FAILING) + ["ok"] * (num_rows - len(FAILING))
+    return [{"id": i, "digits": [i % 10, (3 * i) % 10], "mode": modes[i], "source": "test"} for i in range(num_rows)]
+
+
+def run_job(project: pathlib.Path, dataset: pathlib.Path, out: pathlib.Path, *extra: str) -> dict:
+    items = [f"run.output_dir={out}", "run.plot=false", "run.checkpoint_every=2",
+             "closed_loop.agent=my_agents.chat_game:make_agent", f"closed_loop.dataset.path={dataset}",
+             "closed_loop.dataset.keys=[digits,mode]", "closed_loop.prompts=null",
+             f"closed_loop.tokenizer_dir={ROOT / 'examples' / 'digit_tokenizer'}",
+             f"closed_loop.group_size={GROUP_SIZE}", "closed_loop.groups_in_flight=2", "closed_loop.timeout_s=30",
+             "scheduler.batch.global_batch_size=8", *extra]
+    done = subprocess.run([sys.executable, "-m", "jobs.train", *[a for item in items for a in ("--set", item)]],
+                          cwd=project, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+def final_ledger(out: pathlib.Path) -> dict:
+    checkpoints = out / "checkpoints"
+    return json.loads((checkpoints / (checkpoints / "latest").read_text().strip() / "ledger.json").read_text())
+
+
+def check_failures_dropped_by_name(summary: dict) -> None:
+    for reason in FAILING.values():
+        assert summary["dropped_by_reason"].get(reason) == GROUP_SIZE, summary["dropped_by_reason"]
+    assert summary["closed_loop"]["failed_groups"] == {reason: 1 for reason in FAILING.values()}
+
+
+def test_a_users_agent_and_jsonl_prompts_train_and_a_resumed_run_answers_every_row_once(tmp_path):
+    rows = prompt_rows(24)
+    dataset = write_user_project(tmp_path, rows, "jsonl")
+    out = tmp_path / "run"
+    first = run_job(tmp_path, dataset, out, "run.num_steps=2")
+    assert first["steps"] == 2
+
+    resumed = run_job(tmp_path, dataset, out, "run.num_steps=100", "run.resume=true")
+    records = {r["step"]: r for r in read_records(out / "steps.jsonl")}  # a step is recorded once per run
+    ledger = final_ledger(out)["rollouts"]
+    expected = {f"e0-row{i}-r{m}" for i in range(len(rows)) for m in range(GROUP_SIZE)}
+    assert set(ledger) == expected  # every row's every rollout, none twice, nothing else
+    trained = {rid: step for rid, (state, step, _) in ledger.items() if state == "trained"}
+    dropped = {rid: reason for rid, (state, _, reason) in ledger.items() if state == "dropped"}
+    assert set(trained) | set(dropped) == expected  # nothing left buffered: the file was used up
+    assert trained, "nothing trained"
+    for step, record in records.items():
+        assert record["num_rollouts"] == sum(1 for s in trained.values() if s == step)
+    for i, row in enumerate(rows):
+        if row["mode"] in FAILING:
+            assert {dropped.get(f"e0-row{i}-r{m}") for m in range(GROUP_SIZE)} == {FAILING[row["mode"]]}
+    check_failures_dropped_by_name(resumed)  # the resumed run's ledger carries the first run's drops
+    assert resumed["steps"] == len(records) - first["steps"] and resumed["incomplete_rollouts"] == 0
+
+
+def test_a_parquet_prompt_file_feeds_the_job(tmp_path):
+    rows = prompt_rows(12)
+    dataset = write_user_project(tmp_path, rows, "parquet")
+    summary = run_job(tmp_path, dataset, tmp_path / "run", "run.num_steps=100")
+    check_failures_dropped_by_name(summary)
+    ok_rollouts = GROUP_SIZE * sum(row["mode"] == "ok" for row in rows)
+    trained_or_filtered = summary["rollouts_trained"] + summary["dropped_by_reason"].get("uniform_group_reward", 0)
+    assert trained_or_filtered == ok_rollouts and summary["closed_loop"]["agent_metrics"]["turns"] == 2.0
