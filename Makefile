@@ -24,7 +24,7 @@ demo-synthetic: setup  # synthetic producers instead of the closed loop (full an
 	$(PY) -m jobs.train --set closed_loop.enabled=false
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 bench: setup
 	$(PY) benchmarks/bench_schedule.py

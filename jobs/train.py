@@ -2,12 +2,13 @@
 
     python -m jobs.train                                  # embedded default: the closed loop, in-process Ray
     python -m jobs.train --set closed_loop.enabled=false  # synthetic producers instead (no engines)
-    python -m jobs.train --config jobs/configs/local.yaml --set scheduler.batch.global_batch_size=6
+    python -m jobs.train --config jobs/configs/cluster_16gpu.yaml --set scheduler.batch.global_batch_size=6
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
         python -m jobs.train --set run.ray_address=auto
 
 The default is the closed loop (jobs/closed_loop.py): vLLM engines start from the policy's
-initial weights, EnvProducers sample the digit task through them, and after every optimizer
+initial weights, AgentProducers run the configured agent (closed_loop.agent; the demo's digit
+agent by default, docs/agents.md) through them, and after every optimizer
 step the train group publishes its weights (policy version = steps trained) and the engines load
 them without the trainer waiting. With closed_loop.enabled=false synthetic producers
 (actors/producers.py) and a Ray Data stream of synthetic rollouts feed the scheduler instead.
