@@ -6,8 +6,13 @@ rather than in a test module that pytest imports under another name."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import fields
 
+import ray
+
+from actors.producers import PRODUCER_NAME
+from actors.scheduler_actor import DEFAULT_NAME
 from actors.scheduler_api import SubmitResult
 from actors.train_config import LossConfig
 from jobs.job_config import JobConfig
@@ -36,3 +41,17 @@ class RecordingScheduler:
 
     def seen(self) -> list[tuple]:
         return list(self.samples)
+
+
+def names_free(num_agents: int = 2, timeout_s: float = 60.0) -> None:
+    """Wait until the previous run's named actors are gone (the next run reuses the names)."""
+    names = [DEFAULT_NAME] + [PRODUCER_NAME.format(i) for i in range(num_agents)]
+    deadline = time.monotonic() + timeout_s
+    for name in names:
+        while True:
+            try:
+                ray.get_actor(name)
+            except ValueError:
+                break
+            assert time.monotonic() < deadline, f"actor {name} still alive after {timeout_s} s"
+            time.sleep(0.1)

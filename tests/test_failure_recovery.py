@@ -30,12 +30,11 @@ import pytest
 import ray
 
 from actors.producers import PRODUCER_NAME
-from actors.scheduler_actor import DEFAULT_NAME
 from jobs.checkpoint import latest_checkpoint
 from jobs.job_config import load_job_config
 from jobs.recovery import SchedulerLostError
 from jobs.train import train
-from tests.resume_support import synthetic_producers
+from tests.resume_support import names_free, synthetic_producers
 
 pytestmark = pytest.mark.slow
 
@@ -48,20 +47,6 @@ RUN = [
     "producers.max_delay_s=0.05", "scheduler.batch.global_batch_size=4", "run.num_steps=50",
     "run.checkpoint_every=2", "run.max_failures=2", "run.plot=false",
 ]
-
-
-def names_free(num_agents: int = 2, timeout_s: float = 60.0) -> None:
-    """Wait until the previous run's named actors are gone (the next run reuses the names)."""
-    names = [DEFAULT_NAME] + [PRODUCER_NAME.format(i) for i in range(num_agents)]
-    deadline = time.monotonic() + timeout_s
-    for name in names:
-        while True:
-            try:
-                ray.get_actor(name)
-            except ValueError:
-                break
-            assert time.monotonic() < deadline, f"actor {name} still alive after {timeout_s} s"
-            time.sleep(0.1)
 
 
 def run_job(out, extra=(), on_event=None):

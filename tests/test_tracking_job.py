@@ -11,17 +11,13 @@ summary logged, the cumulative counters equal the summary's. Slow: two short run
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
-import ray
 
-from actors.producers import PRODUCER_NAME
-from actors.scheduler_actor import DEFAULT_NAME
 from jobs.job_config import load_job_config
 from jobs.progress import read_records
 from jobs.train import train
-from tests.resume_support import synthetic_producers
+from tests.resume_support import names_free, synthetic_producers
 from tests.tracking_support import (mlflow_run, tensorboard_hparams, tensorboard_scalars, tensorboard_texts,
                                     wandb_offline_runs)
 
@@ -36,19 +32,6 @@ RUN = [
     "producers.max_delay_s=0.05", f"scheduler.batch.global_batch_size={GBS}", "run.checkpoint_every=2",
     "run.plot=false", "run.loggers=[console,jsonl,tensorboard,wandb,mlflow]", "run.run_name=tracking-test",
 ]
-
-
-def names_free(timeout_s: float = 60.0) -> None:
-    """Wait until an earlier run's named actors are gone (the next run reuses the names)."""
-    deadline = time.monotonic() + timeout_s
-    for name in [DEFAULT_NAME] + [PRODUCER_NAME.format(i) for i in range(2)]:
-        while True:
-            try:
-                ray.get_actor(name)
-            except ValueError:
-                break
-            assert time.monotonic() < deadline, f"actor {name} still alive after {timeout_s} s"
-            time.sleep(0.1)
 
 
 def run_job(out, *extra) -> dict:
