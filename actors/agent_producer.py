@@ -402,13 +402,6 @@ class AgentProducer:
             self._scheduler.abandon.remote(admitted)  # fire and forget: the scheduler may be going away too
 
 
-def mean_reward(reports: list[AgentProducerReport]) -> float | None:
-    """Rollout-weighted mean reward over producers' reports."""
-    pairs = [(r.mean_reward * r.rollouts, r.rollouts) for r in reports if r.mean_reward is not None]
-    total = sum(count for _, count in pairs)
-    return sum(s for s, _ in pairs) / total if total else None
-
-
 def start_agent_producer(index: int, config: AgentProducerConfig, scheduler, engines, prompts: PromptSpec, *,
                          cursor: dict | None = None, name: str | None = None):
     """One AgentProducer actor (num_cpus=0, asyncio) and its `run` ref, as an (actor, ref) pair."""
@@ -417,5 +410,4 @@ def start_agent_producer(index: int, config: AgentProducerConfig, scheduler, eng
     return actor, actor.run.remote()
 
 
-__all__ = ["AgentProducer", "AgentProducerConfig", "AgentProducerReport", "PromptSpec", "mean_reward",
-           "start_agent_producer"]
+__all__ = ["AgentProducer", "AgentProducerConfig", "AgentProducerReport", "PromptSpec", "start_agent_producer"]

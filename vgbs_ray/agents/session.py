@@ -53,10 +53,6 @@ class Segment:
     versions: list[int] = field(default_factory=list)
     """Policy version of every generation in this segment."""
 
-    @property
-    def num_generated(self) -> int:
-        return sum(self.loss_mask)
-
     def to_row(self) -> dict:
         """The segment as a push-API sample dict (without the rollout's shared fields)."""
         return dict(tokens=np.asarray(self.tokens, dtype=np.int64), response_length=len(self.loss_mask),
