@@ -365,7 +365,8 @@ def summarize(stats, trained: list[StepLine], elapsed_s: float, controller: Trai
 def closed_loop_summary(trained: list[StepLine], reports: list, loop: ClosedLoop, *, stats=None,
                         elapsed_s: float | None = None) -> dict:
     """The closed loop's part of the summary: reward curve ends, staleness, sync times, producer counts,
-    groups the agents lost by reason, the agents' own metrics, and how the overlap went
+    groups the agents lost by reason, the agents' own metrics (producer figures count this run's producers
+    only: a resumed run's ledger figures include the earlier run, these do not), and how the overlap went
     (`overlap_summary`, when the scheduler's `stats` and the step loop's `elapsed_s` are given)."""
     def mean(values):
         values = [v for v in values if v is not None and v == v]
