@@ -1,6 +1,6 @@
-"""Hugging Face `LlamaForCausalLM` checkpoints in and out of the Megatron policy, for any TP size.
+"""Hugging Face checkpoints (Llama, Qwen2, Qwen3) in and out of the Megatron policy, for any TP size.
 
-    config = model_config_from_hf(path)                  # ModelConfig from config.json (refuses non-Llama)
+    config = model_config_from_hf(path)                  # ModelConfig from config.json (its family's reader)
     load_hf_weights(model, read_hf_weights(path), config) # this rank's TP shards of every tensor
     hf = export_hf_weights(model, config)                 # full HF-named weights (TP gathered; collective)
     write_hf_checkpoint(out_dir, config, hf)              # config.json + model.safetensors
@@ -22,6 +22,7 @@ import torch
 
 from actors.train_config import ModelConfig
 from vgbs_ray.errors import ConfigError
+from vgbs_ray.model_families import FAMILIES, get_family, model_fields_from_hf_config
 from vgbs_ray.hf_mapping import (WeightMappingError, canonical_megatron_name, gather_tp_shards, hf_to_megatron,
                                  megatron_to_hf, split_tp_shard)
 
@@ -31,78 +32,26 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def hf_config_dict(config: ModelConfig) -> dict:
-    """The `config.json` of a `LlamaForCausalLM` with `config`'s shape (transformers 5 keys)."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.ffn_hidden_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_query_groups,
-        "head_dim": config.head_dim,
-        "vocab_size": config.vocab_size,
-        "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.norm_epsilon,
-        "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "default"},
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "dtype": config.params_dtype,
-        # No special tokens: the policies here are token-id models; callers stop generation
-        # with max_tokens or explicit stop token ids.
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "pad_token_id": None,
-    }
+    """The `config.json` of `config`'s family and shape (transformers 5 keys; `vgbs_ray.model_families`)."""
+    return dict(get_family(config.family).write_hf_config(config),
+                # No special tokens here: a tokenizer copied next to the weights brings its own
+                # (`tokenizer_config.json`); token-id policies stop on max_tokens or explicit stop ids.
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
 def model_config_from_hf(path: str | Path, **overrides) -> ModelConfig:
-    """A ModelConfig with the shape of the `LlamaForCausalLM` in `path` (its `config.json`).
+    """A ModelConfig with the family and shape of the checkpoint in `path` (its `config.json`).
 
     `overrides` set the fields config.json does not decide (`seed`, and `params_dtype` if wanted).
-    Refuses what the Llama policy cannot represent, naming the key.
+    Refuses what the policy cannot represent (an unknown `model_type`, sliding-window attention,
+    output-projection biases, ...), naming the key.
     """
     file = Path(path) / "config.json"
     if not file.is_file():
-        raise ConfigError(f"{path}: no config.json (expected a Hugging Face LlamaForCausalLM directory)")
-    hf = json.loads(file.read_text())
-    where = f"{file}"
-    if hf.get("model_type") != "llama":
-        raise ConfigError(f"{where}: model_type={hf.get('model_type')!r}; only 'llama' (LlamaForCausalLM) is supported")
-    refusals = {
-        "tie_word_embeddings": (False, "the policy has untied input and output embeddings"),
-        "attention_bias": (False, "the policy has no attention biases"),
-        "mlp_bias": (False, "the policy has no MLP biases"),
-        "hidden_act": ("silu", "the policy's MLP is SwiGLU (silu)"),
-    }
-    for key, (wanted, why) in refusals.items():
-        if hf.get(key, wanted) != wanted:
-            raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported ({why}); it must be {wanted!r}")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ConfigError(f"{where}: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported; "
-                          "only plain RoPE ('default') is")
-    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    if head_dim * heads != hf["hidden_size"]:
-        raise ConfigError(f"{where}: head_dim={head_dim} x num_attention_heads={heads} != hidden_size="
-                          f"{hf['hidden_size']}; the policy needs head_dim = hidden_size / num_attention_heads")
-    fields = dict(
-        num_layers=hf["num_hidden_layers"],
-        hidden_size=hf["hidden_size"],
-        num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads") or heads,
-        ffn_hidden_size=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"],
-        rope_theta=float(rope_theta),
-        norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=hf["max_position_embeddings"],
-        params_dtype="bfloat16" if hf.get("dtype", hf.get("torch_dtype")) == "bfloat16" else "float32",
-        hf_checkpoint_dir=str(Path(path).resolve()),  # absolute: Ray workers need not share the driver's cwd
-    )
+        raise ConfigError(f"{path}: no config.json (expected a Hugging Face checkpoint directory of one of "
+                          f"{sorted(FAMILIES)})")
+    fields = model_fields_from_hf_config(json.loads(file.read_text()), str(file))
+    fields["hf_checkpoint_dir"] = str(Path(path).resolve())  # absolute: Ray workers need not share the driver's cwd
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -143,8 +92,9 @@ def load_hf_weights(model: torch.nn.Module, hf_weights: Mapping[str, torch.Tenso
 
     from actors.model import named_parameters_global
 
-    full = hf_to_megatron(hf_weights, num_attention_heads=config.num_attention_heads,
-                          num_query_groups=config.num_query_groups)
+    full = hf_to_megatron(hf_weights, config.weight_layout)
+    if config.tie_word_embeddings:  # a last pipeline stage keeps its own copy of the embedding as output layer
+        full["output_layer.weight"] = full["embedding.word_embeddings.weight"]
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     used = set()
@@ -163,8 +113,9 @@ def load_hf_weights(model: torch.nn.Module, hf_weights: Mapping[str, torch.Tenso
                                          f"{tuple(param.shape)} (tp rank {tp_rank} of {tp_size})")
             param.copy_(tensor)
     # Pipeline stages hold a subset of the layers; with one stage every weight must be used.
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1 and set(full) - used:
-        raise WeightMappingError(f"checkpoint weights the model has no parameter for: {sorted(set(full) - used)[:8]}")
+    unused = set(full) - used - ({"output_layer.weight"} if config.tie_word_embeddings else set())
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1 and unused:
+        raise WeightMappingError(f"checkpoint weights the model has no parameter for: {sorted(unused)[:8]}")
 
 
 def full_megatron_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -189,7 +140,6 @@ def full_megatron_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def export_hf_weights(model: torch.nn.Module, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """The whole policy as `LlamaForCausalLM` weights (TP gathered, copies). Collective over TP."""
-    hf = megatron_to_hf(full_megatron_weights(model), num_attention_heads=config.num_attention_heads,
-                        num_query_groups=config.num_query_groups)
+    """The whole policy as its family's HF weights (TP gathered, copies). Collective over TP."""
+    hf = megatron_to_hf(full_megatron_weights(model), config.weight_layout)
     return {name: tensor.clone() for name, tensor in hf.items()}

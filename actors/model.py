@@ -1,8 +1,10 @@
-"""The policy model: a Llama-architecture Megatron-Core GPTModel built from a frozen config.
+"""The policy model: a Megatron-Core GPTModel of one model family, built from a frozen config.
 
 RMSNorm, SwiGLU MLP (`linear_fc1` holds [gate; up]), rotary position embeddings, grouped-query
-attention, no biases, untied input/output embeddings: the layout `vgbs_ray.hf_mapping` maps
-one-to-one onto Hugging Face `LlamaForCausalLM`.
+attention, no output-projection or MLP biases; per family (`vgbs_ray.model_families`) QKV
+biases (Qwen2) or per-head QK RMSNorm (Qwen3); tied or untied embeddings, a head width of its own
+(`kv_channels`) and Llama 3.x RoPE scaling per checkpoint. `vgbs_ray.hf_mapping` maps the layout
+one-to-one onto the family's Hugging Face `*ForCausalLM`.
 
 Attention. Micro-batches are THD packed sequences; Megatron's local `DotProductAttention`
 rejects packed sequences (and allocates on CUDA), so:
@@ -26,6 +28,7 @@ import re
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -35,6 +38,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from actors.megatron_cpu_compat import make_rotary_embedding_cpu_safe
 from actors.train_config import ModelConfig
 from vgbs_ray.errors import ConfigError
+from vgbs_ray.model_families import get_family
+from vgbs_ray.model_families.rope import rope_inv_freq
 
 
 class SDPAAttention(MegatronModule):
@@ -86,20 +91,23 @@ def transformer_config(config: ModelConfig, *, tp_size: int, pp_size: int, cp_si
                        microbatch_group_size_per_vp_stage: int | None = None) -> TransformerConfig:
     """The Megatron TransformerConfig for `config` under the given parallel sizes."""
     dtype = torch.bfloat16 if config.params_dtype == "bfloat16" else torch.float32
+    family = get_family(config.family)
     return TransformerConfig(
         **_pipeline_settings(pp_size, vpp_size, microbatch_group_size_per_vp_stage, dtype),
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
         num_attention_heads=config.num_attention_heads,
         num_query_groups=config.num_query_groups,
+        kv_channels=config.head_dim,
         ffn_hidden_size=config.ffn_hidden_size,
-        # Llama: RMSNorm, SwiGLU (silu-gated fc1 = [gate; up]), no biases anywhere.
+        # Every family: RMSNorm, SwiGLU (silu-gated fc1 = [gate; up]), no output-projection or MLP biases.
         normalization="RMSNorm",
         layernorm_epsilon=config.norm_epsilon,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=family.qkv_bias,
+        qk_layernorm=family.qk_norm,
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
         context_parallel_size=cp_size,
@@ -142,12 +150,13 @@ def build_gpt_model(config: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, 
                     microbatch_group_size_per_vp_stage: int | None = None) -> GPTModel:
     """Build the GPTModel (with pp_size > 1: this stage's chunk `vp_stage`); deterministic for a given `config.seed`."""
     torch.manual_seed(config.seed)
+    qk_norm = get_family(config.family).qk_norm
     if on_gpu and transformer_engine_available():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        spec = get_gpt_layer_with_transformer_engine_spec()
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
     else:
-        spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+        spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm))
         spec.submodules.self_attention.submodules.core_attention = SDPAAttention
     model = GPTModel(
         config=transformer_config(config, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size, on_gpu=on_gpu,
@@ -159,17 +168,28 @@ def build_gpt_model(config: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, 
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=config.tie_word_embeddings,
         vp_stage=vp_stage,
         position_embedding_type="rope",
         rotary_base=config.rope_theta,  # GPTModel reads the base from this argument, not from the config
     )
+    if config.rope_scaling is not None:
+        _scale_rotary_frequencies(model, config)
     if config.hf_checkpoint_dir is not None:
         _load_initial_weights(model, config)
     if on_gpu:
         return model.cuda()
     make_rotary_embedding_cpu_safe(model)
     return model
+
+
+def _scale_rotary_frequencies(model: GPTModel, config: ModelConfig) -> None:
+    """Llama 3.x RoPE scaling with the checkpoint's own parameters: Megatron's `rope_scaling` hard-codes
+    low/high frequency factors 1 / 4 and an 8192-token original context, so the frequencies are set here."""
+    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.inv_freq = inv_freq.to(module.inv_freq.device)
 
 
 def _load_initial_weights(model: GPTModel, config: ModelConfig) -> None:

@@ -266,10 +266,26 @@ class RolloutEngine:
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             tensors = [(name, torch.from_numpy(np.asarray(array))) for name, array in weights.items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+        self.llm.collective_rpc(_refresh_tied_output_layer)
         self.llm.reset_prefix_cache()  # cached keys/values were computed by the old weights
         self.policy_version = policy_version
         return [WeightLoad(engine=self.name, policy_version=policy_version, load_time_s=time.perf_counter() - start,
                            num_bytes=sum(np.asarray(a).nbytes for a in weights.values()))]
+
+
+def _refresh_tied_output_layer(worker) -> bool:
+    """Run in the vLLM worker after an in-place reload: with tied embeddings, rebuild the output layer's
+    CPU GEMM from the reloaded embedding. vLLM 0.32's layer-wise reload re-processes only the layers it
+    loaded weights into, and a tied `lm_head` loads none (its weight is the embedding's), so on CPU it
+    kept a packed copy of the old weights (the engine then sampled from stale logits; measured in
+    tests/test_model_families.py). Elsewhere (GPU) processing the layer again changes nothing."""
+    model = worker.model_runner.model
+    head = getattr(model, "lm_head", None)
+    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embedding is None or head is embedding or head.weight is not embedding.weight:
+        return False
+    head.quant_method.process_weights_after_loading(head)
+    return True
 
 
 def _per_prompt(sampling: SamplingConfig | Sequence[SamplingConfig], count: int) -> list[SamplingConfig]:

@@ -13,6 +13,7 @@ from vgbs_ray.config import ParallelConfig
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.lr_schedule import LRScheduleConfig
 from vgbs_ray.metrics import MetricPairs
+from vgbs_ray.model_families import RopeScaling, WeightLayout, get_family
 from vgbs_ray.off_policy import OffPolicyConfig
 
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
@@ -21,49 +22,61 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """A Llama-architecture decoder (Megatron-Core GPTModel; maps one-to-one onto HF `LlamaForCausalLM`).
+    """A decoder of one model family (Megatron-Core GPTModel; maps one-to-one onto its HF `*ForCausalLM`).
 
-    RMSNorm, SwiGLU MLP, rotary position embeddings, grouped-query attention, no biases,
-    untied input and output embeddings. The defaults are the tiny model of tests and the demo
-    (head_dim 32: vLLM's CPU attention refuses head dimensions under 32).
+    Every family: RMSNorm, SwiGLU MLP, rotary position embeddings, grouped-query attention, no
+    output-projection or MLP biases. The family adds its own features (`vgbs_ray.model_families`:
+    Qwen2's QKV biases, Qwen3's QK-norm); the fields below cover what varies between checkpoints.
+    The defaults are the tiny Llama-shaped model of tests and the demo (head_dim 32: vLLM's CPU
+    attention refuses head dimensions under 32).
     """
 
+    family: str = "llama"
+    """A registered model family (HF `model_type`): 'llama', 'qwen2' or 'qwen3'."""
     num_layers: int = 2
     hidden_size: int = 128
     num_attention_heads: int = 4
     num_query_groups: int = 2
     """Grouped-query attention: key/value heads (HF `num_key_value_heads`); divides num_attention_heads."""
+    kv_channels: int | None = None
+    """Per-head width when it is not hidden_size / num_attention_heads (HF `head_dim`, e.g. Qwen3); None = that ratio."""
     ffn_hidden_size: int = 256
     """SwiGLU inner width (HF `intermediate_size`)."""
     vocab_size: int = 128
     rope_theta: float = 10000.0
     """Rotary embedding base (HF `rope_theta`)."""
+    rope_scaling: RopeScaling | None = None
+    """Llama 3.x rotary frequency scaling (HF `rope_type: llama3`); None = plain RoPE."""
     norm_epsilon: float = 1e-6
     """RMSNorm epsilon (HF `rms_norm_eps`)."""
     max_position_embeddings: int = 256
     """Longest sample (tokens) the policy and the engines accept (HF `max_position_embeddings`)."""
+    tie_word_embeddings: bool = False
+    """The output layer reuses the input embedding (HF `tie_word_embeddings`; Llama 3.2, Qwen2.5 and Qwen3's small sizes)."""
     seed: int = 1234
     """Weights are drawn from torch's generator seeded with this (deterministic init)."""
     params_dtype: Literal["float32", "bfloat16"] = "float32"
     hf_checkpoint_dir: str | None = None
-    """Start from the weights of this Hugging Face LlamaForCausalLM directory (config.json + safetensors)
+    """Start from the weights of this Hugging Face checkpoint directory (config.json + safetensors)
     instead of a random init; its config.json must match the fields above
     (`actors.hf_checkpoint.model_config_from_hf` builds a matching config)."""
 
     def __post_init__(self):
+        get_family(self.family)  # a ConfigError naming the supported families
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                      "vocab_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ConfigError(f"ModelConfig.hidden_size={self.hidden_size} must be a multiple of "
-                              f"num_attention_heads={self.num_attention_heads}")
+                              f"num_attention_heads={self.num_attention_heads}, or set kv_channels (the head width)")
         if self.num_attention_heads % self.num_query_groups:
             raise ConfigError(f"ModelConfig.num_query_groups={self.num_query_groups} must divide "
                               f"num_attention_heads={self.num_attention_heads} (grouped-query attention)")
-        if self.head_dim % 2:
-            raise ConfigError(f"ModelConfig: head_dim = hidden_size / num_attention_heads = {self.head_dim} must be "
-                              "even (rotary embeddings rotate pairs of channels)")
+        if self.head_dim <= 0 or self.head_dim % 2:
+            raise ConfigError(f"ModelConfig: head_dim = {self.head_dim} (kv_channels, or hidden_size / "
+                              "num_attention_heads) must be positive and even (rotary embeddings rotate pairs of "
+                              "channels)")
         if self.rope_theta <= 0 or self.norm_epsilon <= 0:
             raise ConfigError(f"ModelConfig.rope_theta ({self.rope_theta}) and norm_epsilon ({self.norm_epsilon}) "
                               "must be > 0")
@@ -72,7 +85,15 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def weight_layout(self) -> WeightLayout:
+        """What the HF <-> Megatron weight table needs to know of this model (`vgbs_ray.hf_mapping`)."""
+        family = get_family(self.family)
+        return WeightLayout(num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
+                            qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
+                            tied_embeddings=self.tie_word_embeddings)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,6 +208,11 @@ class TrainGroupConfig:
                 raise ConfigError(f"TrainGroupConfig.{name} must be > 0 seconds, got {getattr(self, name)}")
 
     def _check_pipeline(self) -> None:
+        if self.model.tie_word_embeddings and self.pp_size > 1:
+            # Megatron keeps a copy of a tied embedding on the last stage and all-reduces their gradients
+            # across the first and last stage; the CPU train step does not do that reduction yet.
+            raise ConfigError("TrainGroupConfig: model.tie_word_embeddings=True needs pp_size=1 (tied embeddings "
+                              f"across pipeline stages are not supported yet), got pp_size={self.pp_size}")
         pp, vpp, layers = self.pp_size, self.vpp_size, self.model.num_layers
         if vpp > 1 and pp == 1:
             raise ConfigError(f"TrainGroupConfig.vpp_size={vpp} needs pp_size > 1 (virtual stages interleave "

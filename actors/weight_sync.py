@@ -55,7 +55,7 @@ def hf_weights_from_full(full: dict[str, np.ndarray], model: ModelConfig) -> dic
     import torch
 
     hf = megatron_to_hf({name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in full.items()},
-                        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups)
+                        model.weight_layout)
     return {name: tensor.numpy() for name, tensor in hf.items()}
 
 

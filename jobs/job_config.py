@@ -14,6 +14,8 @@ so a wrong config fails at start-up, before any actor exists.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -29,6 +31,7 @@ from vgbs_ray.agents import SamplingConfig
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.intake import IntakeConfig
 from vgbs_ray.lr_schedule import LRScheduleConfig
+from vgbs_ray.model_families import model_fields_from_hf_config
 from vgbs_ray.off_policy import OffPolicyConfig
 
 
@@ -296,7 +299,35 @@ def load_job_config(path: str | None = None, overrides: list[str] | tuple[str, .
     mapping = apply_overrides(load_yaml(path), list(overrides))
     if (mapping.get("closed_loop") or {}).get("enabled") is False:
         mapping = _with_defaults(mapping, SYNTHETIC_DEFAULTS)
-    return config_from_mapping(JobConfig, mapping)
+    return config_from_mapping(JobConfig, _with_checkpoint_model(mapping))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+"""A checkpoint directory holding either has a Hugging Face tokenizer."""
+
+
+def _with_checkpoint_model(mapping: dict) -> dict:
+    """`train.model.hf_checkpoint_dir=DIR` alone is enough: the model's family and shape come from
+    DIR/config.json (fields also given must agree; the model build names any that differ), and the
+    closed loop's tokenizer is DIR's own unless `closed_loop.tokenizer_dir` is given (None when DIR has
+    none: token-id-only agents)."""
+    model = (mapping.get("train") or {}).get("model") or {}
+    path = model.get("hf_checkpoint_dir")
+    if path is None:
+        return mapping
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise ConfigError(f"train.model.hf_checkpoint_dir={path!r} has no config.json (a Hugging Face checkpoint "
+                          "directory is expected)")
+    with open(file) as handle:
+        fields = model_fields_from_hf_config(json.load(handle), file)
+    fields.update(model, hf_checkpoint_dir=os.path.abspath(path))
+    mapping = dict(mapping, train=dict(mapping["train"], model=fields))
+    loop = mapping.get("closed_loop") or {}
+    if "tokenizer_dir" not in loop:
+        has_tokenizer = any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES)
+        mapping["closed_loop"] = dict(loop, tokenizer_dir=os.path.abspath(path) if has_tokenizer else None)
+    return mapping
 
 
 def options_help() -> str:

@@ -1,9 +1,10 @@
-"""Tiny random Hugging Face Llama models made in code (nothing is downloaded), and Megatron helpers."""
+"""Tiny random Hugging Face models of every family made in code (nothing is downloaded), and Megatron helpers."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from actors.train_config import ModelConfig
@@ -24,11 +25,52 @@ def tiny_hf_llama(path: Path, *, seed: int = 0, vocab_size: int = 96, hidden_siz
                          num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                          max_position_embeddings=256, rms_norm_eps=rms_norm_eps, rope_theta=rope_theta,
                          tie_word_embeddings=False, attn_implementation="eager")
-    model = LlamaForCausalLM(config).float().eval()
+    return _randomized_and_saved(LlamaForCausalLM(config), path)
+
+
+# The shapes of the small checkpoints people post-train, tiny: (transformers config class, its arguments).
+FAMILY_SHAPES = {
+    # Llama-3.2-1B: tied embeddings, llama3 RoPE scaling (a short original context, so the scaling
+    # changes the frequencies the test positions use).
+    "llama3_tied": ("LlamaConfig", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                        tie_word_embeddings=True,
+                                        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 64})),
+    # Qwen2.5-0.5B: tied embeddings, QKV biases.
+    "qwen2": ("Qwen2Config", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                  tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    # Qwen3-0.6B: tied embeddings, QK-norm, head_dim independent of hidden_size / heads (32 x 4 != 64).
+    "qwen3": ("Qwen3Config", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                  tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    # A larger Qwen3: untied.
+    "qwen3_untied": ("Qwen3Config", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         tie_word_embeddings=False)),
+}
+
+
+def tiny_hf_model(path: Path, shape: str, *, seed: int = 0, vocab_size: int = 96, num_layers: int = 2, ffn: int = 192):
+    """A random fp32 model of one of `FAMILY_SHAPES` saved to `path`; returns the model (norms and biases random)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config_class, kwargs = FAMILY_SHAPES[shape]
+    config = getattr(transformers, config_class)(vocab_size=vocab_size, intermediate_size=ffn,
+                                                 num_hidden_layers=num_layers, max_position_embeddings=256,
+                                                 rms_norm_eps=1e-5, attn_implementation="eager", **kwargs)
+    return _randomized_and_saved(transformers.AutoModelForCausalLM.from_config(config), path)
+
+
+def _randomized_and_saved(model, path: Path):
+    """Norms and biases random too (HF initialises them to ones and zeros), so a mapping that swaps two
+    norms or misplaces a bias changes the logits; saved with `save_pretrained`."""
+    model = model.float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.5 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn_like(p))
     model.save_pretrained(str(path))
     return model
 
@@ -45,6 +87,26 @@ def megatron_logits(model, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
         ids = torch.tensor([tokens])
         return model(ids, torch.arange(len(tokens))[None], None)[0].float()
+
+
+def response_log_probs(model, generations) -> list[np.ndarray]:
+    """The trainer's view of engine generations: one THD packed row of prompt + response for every
+    generation through the Megatron `model` (TP=1); the log-prob of each response token."""
+    from actors.model import packed_seq_params
+
+    sequences = [np.concatenate([g.prompt_token_ids, g.response_token_ids]) for g in generations]
+    lengths = [len(s) for s in sequences]
+    cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    tokens = torch.from_numpy(np.concatenate(sequences))[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        logits = model(tokens, positions, None, packed_seq_params=packed_seq_params(cu_seqlens, max(lengths)))[0]
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    out = []
+    for g, start, length in zip(generations, cu_seqlens[:-1].tolist(), lengths):
+        rows = torch.arange(start + len(g.prompt_token_ids) - 1, start + length - 1)  # logits that score the response
+        out.append(log_probs[rows, torch.from_numpy(g.response_token_ids)].numpy())
+    return out
 
 
 def model_config_for(path: Path, **overrides) -> ModelConfig:

@@ -144,7 +144,7 @@ def test_model_config_from_hf_refuses_what_the_policy_cannot_hold(hf_dir, tmp_pa
 
     path, _ = hf_dir
     hf = json.loads((path / "config.json").read_text())
-    for key, value, match in (("tie_word_embeddings", True, "tie_word_embeddings=True"),
+    for key, value, match in (("mlp_bias", True, "mlp_bias=True"),
                               ("attention_bias", True, "attention_bias=True"),
                               ("model_type", "mistral", "model_type='mistral'"),
                               ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4}, "rope type 'yarn'")):

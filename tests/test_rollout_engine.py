@@ -19,6 +19,7 @@ from actors.hf_checkpoint import write_hf_checkpoint
 from actors.rollout_engine import EngineConfig, EngineDiedError, RolloutEnginePool
 from actors.train_config import ModelConfig
 from actors.weight_sync import publish_weights
+from tests.hf_support import response_log_probs
 from tests.train_support import ensure_single_process_group, make_samples, sgd_config
 from vgbs_ray.agents import RequestTooLongError, SamplingConfig
 
@@ -60,27 +61,14 @@ def _train_one_step(group):
 
 
 def _megatron_log_probs(hf_weights: dict, generations) -> list[np.ndarray]:
-    """The trainer's view: a Megatron model with the published weights, one THD packed row of
-    prompt + response for every generation; the log-prob of each response token."""
+    """The trainer's view: a Megatron model with the published weights scores every generation."""
     from actors.hf_checkpoint import load_hf_weights
-    from actors.model import build_gpt_model, packed_seq_params
+    from actors.model import build_gpt_model
 
     ensure_single_process_group()
     model = build_gpt_model(MODEL).eval()
     load_hf_weights(model, {k: torch.from_numpy(np.array(v)) for k, v in hf_weights.items()}, MODEL)
-    sequences = [np.concatenate([g.prompt_token_ids, g.response_token_ids]) for g in generations]
-    lengths = [len(s) for s in sequences]
-    cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
-    tokens = torch.from_numpy(np.concatenate(sequences))[None]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    with torch.no_grad():
-        logits = model(tokens, positions, None, packed_seq_params=packed_seq_params(cu_seqlens, max(lengths)))[0]
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    out = []
-    for g, start, length in zip(generations, cu_seqlens[:-1].tolist(), lengths):
-        rows = torch.arange(start + len(g.prompt_token_ids) - 1, start + length - 1)  # logits that score the response
-        out.append(log_probs[rows, torch.from_numpy(g.response_token_ids)].numpy())
-    return out
+    return response_log_probs(model, generations)
 
 
 def test_after_a_sync_engine_log_probs_equal_the_trainers(system):

@@ -1,4 +1,4 @@
-"""Megatron-Core GPT (Llama layout) <-> Hugging Face `LlamaForCausalLM`: names and tensor layouts.
+"""Megatron-Core GPT <-> Hugging Face `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM`: names and layouts.
 
 Plain tensors in, plain tensors out (no Megatron, no transformers). Both sides hold the full,
 unsharded weights; `split_tp_shard` / `gather_tp_shards` convert between a full Megatron
@@ -16,7 +16,13 @@ The table (per layer `i`; H hidden, V vocab, F ffn, q query heads, g key/value g
 | `decoder.layers.i.mlp.linear_fc1.weight`              | `...mlp.gate_proj.weight`, `...mlp.up_proj.weight` | `cat([gate, up])` [2F, H]            |
 | `decoder.layers.i.mlp.linear_fc2.weight`              | `...mlp.down_proj.weight`                      | same [H, F]                              |
 | `decoder.final_layernorm.weight`                      | `model.norm.weight`                            | same [H]                                 |
-| `output_layer.weight`                                 | `lm_head.weight`                               | same [V, H] (untied)                     |
+| `output_layer.weight`                                 | `lm_head.weight`                               | same [V, H] (untied only)                |
+| `decoder.layers.i.self_attention.linear_qkv.bias`     | `...self_attn.{q,k,v}_proj.bias`               | grouped like the weight's rows (Qwen2)   |
+| `decoder.layers.i.self_attention.{q,k}_layernorm.weight` | `...self_attn.{q,k}_norm.weight`            | same [d] (Qwen3's QK-norm)               |
+
+Which optional rows apply is the model's `WeightLayout` (`vgbs_ray.model_families`). With tied
+embeddings HF has no `lm_head.weight`; a Megatron last pipeline stage's copy of the embedding
+(`output_layer.weight`) is consumed on export and not written.
 
 No rotary permutation: Megatron (`rotary_interleaved=False`) and HF both rotate halves.
 With Transformer Engine's layer spec (GPU) the two norms are fused into the next linear layer
@@ -37,18 +43,19 @@ from typing import Mapping, Sequence
 import torch
 
 from vgbs_ray.errors import VgbsError
+from vgbs_ray.model_families.spec import WeightLayout
 
 
 class WeightMappingError(VgbsError, ValueError):
-    """A weight name or shape does not fit the Llama <-> Megatron table."""
+    """A weight name or shape does not fit the HF <-> Megatron table."""
 
 
 # Whole-model tensors: (Megatron name, HF name).
 _GLOBAL = (
     ("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
     ("decoder.final_layernorm.weight", "model.norm.weight"),
-    ("output_layer.weight", "lm_head.weight"),
 )
+_OUTPUT = ("output_layer.weight", "lm_head.weight")
 # Per-layer tensors copied as they are: (Megatron suffix, HF suffix).
 _LAYER_SAME = (
     ("input_layernorm.weight", "input_layernorm.weight"),
@@ -56,8 +63,14 @@ _LAYER_SAME = (
     ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
     ("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
 )
+_QK_NORM = (
+    ("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+    ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
+)
 _QKV = "self_attention.linear_qkv.weight"
 _QKV_HF = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_QKV_BIAS = "self_attention.linear_qkv.bias"
+_QKV_BIAS_HF = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 _FC1 = "mlp.linear_fc1.weight"
 _FC1_HF = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
 _TE_FUSED_NORMS = {
@@ -123,24 +136,49 @@ def _take(state: Mapping[str, torch.Tensor], name: str, used: set) -> torch.Tens
 def _check_all_used(state: Mapping[str, torch.Tensor], used: set, side: str) -> None:
     unknown = sorted(set(state) - used)
     if unknown:
-        raise WeightMappingError(f"{side} weights not in the Llama table: {unknown[:8]}"
+        raise WeightMappingError(f"{side} weights not in the weight table of this model's layout: {unknown[:8]}"
                                  f"{' ...' if len(unknown) > 8 else ''}")
 
 
-def megatron_to_hf(state: Mapping[str, torch.Tensor], *, num_attention_heads: int,
-                   num_query_groups: int) -> dict[str, torch.Tensor]:
-    """Full (TP-gathered) Megatron weights -> `LlamaForCausalLM` state dict (contiguous tensors)."""
+def _global_pairs(layout: WeightLayout) -> tuple:
+    return _GLOBAL if layout.tied_embeddings else (*_GLOBAL, _OUTPUT)
+
+
+def _same_pairs(layout: WeightLayout) -> tuple:
+    return (*_LAYER_SAME, *(_QK_NORM if layout.qk_norm else ()))
+
+
+def _layout(layout: WeightLayout | None, num_attention_heads: int | None, num_query_groups: int | None) -> WeightLayout:
+    """The layout given, or the plain Llama one for `num_attention_heads` / `num_query_groups`."""
+    if layout is not None:
+        return layout
+    if num_attention_heads is None or num_query_groups is None:
+        raise TypeError("give a WeightLayout, or num_attention_heads and num_query_groups")
+    return WeightLayout(num_attention_heads=num_attention_heads, num_query_groups=num_query_groups)
+
+
+def megatron_to_hf(state: Mapping[str, torch.Tensor], layout: WeightLayout | None = None, *,
+                   num_attention_heads: int | None = None, num_query_groups: int | None = None) -> dict[str, torch.Tensor]:
+    """Full (TP-gathered) Megatron weights -> the HF state dict (contiguous tensors)."""
+    layout = _layout(layout, num_attention_heads, num_query_groups)
+    heads, groups = layout.num_attention_heads, layout.num_query_groups
     state = {canonical_megatron_name(k): v for k, v in state.items()}
     used: set = set()
     out: dict[str, torch.Tensor] = {}
-    for megatron, hf in _GLOBAL:
+    for megatron, hf in _global_pairs(layout):
         out[hf] = _take(state, megatron, used)
+    if layout.tied_embeddings and _OUTPUT[0] in state:
+        used.add(_OUTPUT[0])  # the last pipeline stage's copy of the embedding
     for i in range(_num_layers(state, _MEGATRON_LAYER)):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        for megatron, hf in _LAYER_SAME:
+        for megatron, hf in _same_pairs(layout):
             out[h + hf] = _take(state, m + megatron, used)
-        q, k, v = _qkv_split(_take(state, m + _QKV, used), num_attention_heads, num_query_groups, m + _QKV)
+        q, k, v = _qkv_split(_take(state, m + _QKV, used), heads, groups, m + _QKV)
         out.update(zip((h + n for n in _QKV_HF), (q, k, v)))
+        if layout.qkv_bias:
+            bias = _take(state, m + _QKV_BIAS, used)[:, None]
+            out.update(zip((h + n for n in _QKV_BIAS_HF), (b[:, 0] for b in _qkv_split(bias, heads, groups,
+                                                                                       m + _QKV_BIAS))))
         fc1 = _take(state, m + _FC1, used)
         if fc1.shape[0] % 2:
             raise WeightMappingError(f"{m + _FC1}: {fc1.shape[0]} rows cannot be [gate; up]")
@@ -149,20 +187,29 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], *, num_attention_heads: in
     return {name: tensor.contiguous() for name, tensor in out.items()}
 
 
-def hf_to_megatron(state: Mapping[str, torch.Tensor], *, num_attention_heads: int,
-                   num_query_groups: int) -> dict[str, torch.Tensor]:
-    """`LlamaForCausalLM` state dict -> full Megatron weights (local-spec names, contiguous)."""
+def hf_to_megatron(state: Mapping[str, torch.Tensor], layout: WeightLayout | None = None, *,
+                   num_attention_heads: int | None = None, num_query_groups: int | None = None) -> dict[str, torch.Tensor]:
+    """The HF state dict -> full Megatron weights (local-spec names, contiguous; no `output_layer` when tied)."""
+    layout = _layout(layout, num_attention_heads, num_query_groups)
+    heads, groups = layout.num_attention_heads, layout.num_query_groups
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}  # a buffer, not a weight
+    if layout.tied_embeddings and _OUTPUT[1] in state:  # some tied checkpoints still store the head: it must be the embedding
+        if not torch.equal(state[_OUTPUT[1]], state[_GLOBAL[0][1]]):
+            raise WeightMappingError(f"tie_word_embeddings is set but {_OUTPUT[1]} differs from {_GLOBAL[0][1]}")
+        state.pop(_OUTPUT[1])
     used: set = set()
     out: dict[str, torch.Tensor] = {}
-    for megatron, hf in _GLOBAL:
+    for megatron, hf in _global_pairs(layout):
         out[megatron] = _take(state, hf, used)
     for i in range(_num_layers(state, _HF_LAYER)):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        for megatron, hf in _LAYER_SAME:
+        for megatron, hf in _same_pairs(layout):
             out[m + megatron] = _take(state, h + hf, used)
         q, k, v = (_take(state, h + n, used) for n in _QKV_HF)
-        out[m + _QKV] = _qkv_fuse(q, k, v, num_attention_heads, num_query_groups, h + "self_attn")
+        out[m + _QKV] = _qkv_fuse(q, k, v, heads, groups, h + "self_attn")
+        if layout.qkv_bias:
+            q, k, v = (_take(state, h + n, used)[:, None] for n in _QKV_BIAS_HF)
+            out[m + _QKV_BIAS] = _qkv_fuse(q, k, v, heads, groups, h + "self_attn (bias)")[:, 0]
         gate, up = (_take(state, h + n, used) for n in _FC1_HF)
         if gate.shape != up.shape:
             raise WeightMappingError(f"{h}mlp: gate_proj {tuple(gate.shape)} and up_proj {tuple(up.shape)} differ")
