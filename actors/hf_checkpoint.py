@@ -21,6 +21,7 @@ from typing import Mapping
 import torch
 
 from actors.train_config import ModelConfig
+from vgbs_ray.checkpoint_files import copy_tokenizer
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.model_families import FAMILIES, get_family, model_fields_from_hf_config
 from vgbs_ray.hf_mapping import (WeightMappingError, canonical_megatron_name, gather_tp_shards, hf_to_megatron,
@@ -74,8 +75,10 @@ def read_hf_weights(path: str | Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def write_hf_checkpoint(path: str | Path, config: ModelConfig, hf_weights: Mapping[str, torch.Tensor]) -> Path:
-    """Write `config.json` and `model.safetensors` (loadable by transformers and vLLM); returns the dir."""
+def write_hf_checkpoint(path: str | Path, config: ModelConfig, hf_weights: Mapping[str, torch.Tensor], *,
+                        tokenizer_dir: str | Path | None = None) -> Path:
+    """Write `config.json`, `model.safetensors` (loadable by transformers and vLLM) and the tokenizer files of
+    `tokenizer_dir`, or else of the checkpoint the model started from (`config.hf_checkpoint_dir`); returns the dir."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -83,6 +86,7 @@ def write_hf_checkpoint(path: str | Path, config: ModelConfig, hf_weights: Mappi
     save_file({k: v.detach().contiguous().cpu() for k, v in hf_weights.items()}, str(path / SAFETENSORS_NAME),
               metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2) + "\n")
+    copy_tokenizer(tokenizer_dir if tokenizer_dir is not None else config.hf_checkpoint_dir, path)
     return path
 
 

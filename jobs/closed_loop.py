@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 
@@ -39,9 +38,6 @@ from actors.weight_sync import publish_weights
 
 log = logging.getLogger("vgbs.job")
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
-"""Hugging Face tokenizer files copied next to the exported weights (whichever the directory has)."""
 
 
 def read_dataset_rows(dataset) -> list[dict]:
@@ -62,14 +58,6 @@ def prompt_spec(config) -> PromptSpec:
         return PromptSpec(rows=ray.put(rows), epochs=loop.dataset.epochs, shuffle_seed=loop.dataset.shuffle_seed,
                           keys=loop.dataset.keys)
     return PromptSpec(generator=loop.prompts, generator_kwargs=dict(loop.prompts_kwargs), seed=loop.seed)
-
-
-def copy_tokenizer(tokenizer_dir: str | None, model_dir: str) -> None:
-    if tokenizer_dir is None:
-        return
-    for name in TOKENIZER_FILES:
-        if os.path.exists(os.path.join(tokenizer_dir, name)):
-            shutil.copy(os.path.join(tokenizer_dir, name), os.path.join(model_dir, name))
 
 
 @dataclass
@@ -101,8 +89,8 @@ class ClosedLoop:
         import torch
 
         write_hf_checkpoint(model_dir, config.train.model,
-                            {name: torch.from_numpy(np.array(array)) for name, array in weights.items()})
-        copy_tokenizer(loop_config.tokenizer_dir, model_dir)
+                            {name: torch.from_numpy(np.array(array)) for name, array in weights.items()},
+                            tokenizer_dir=loop_config.tokenizer_dir)
         loop = cls(engines=RolloutEnginePool(loop_config.engines, model_dir, policy_version=policy_version))
         try:
             client = loop.engines.client()

@@ -31,6 +31,7 @@ from vgbs_ray.agents import SamplingConfig
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.intake import IntakeConfig
 from vgbs_ray.lr_schedule import LRScheduleConfig
+from vgbs_ray.checkpoint_files import has_tokenizer
 from vgbs_ray.model_families import model_fields_from_hf_config
 from vgbs_ray.off_policy import OffPolicyConfig
 
@@ -302,10 +303,6 @@ def load_job_config(path: str | None = None, overrides: list[str] | tuple[str, .
     return config_from_mapping(JobConfig, _with_checkpoint_model(mapping))
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-"""A checkpoint directory holding either has a Hugging Face tokenizer."""
-
-
 def _with_checkpoint_model(mapping: dict) -> dict:
     """`train.model.hf_checkpoint_dir=DIR` alone is enough: the model's family and shape come from
     DIR/config.json (fields also given must agree; the model build names any that differ), and the
@@ -325,8 +322,7 @@ def _with_checkpoint_model(mapping: dict) -> dict:
     mapping = dict(mapping, train=dict(mapping["train"], model=fields))
     loop = mapping.get("closed_loop") or {}
     if "tokenizer_dir" not in loop:
-        has_tokenizer = any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES)
-        mapping["closed_loop"] = dict(loop, tokenizer_dir=os.path.abspath(path) if has_tokenizer else None)
+        mapping["closed_loop"] = dict(loop, tokenizer_dir=os.path.abspath(path) if has_tokenizer(path) else None)
     return mapping
 
 

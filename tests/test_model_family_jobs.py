@@ -1,0 +1,51 @@
+"""A closed-loop job trains from a Hugging Face checkpoint of each family, as a user would start one:
+`python -m jobs.train --set train.model.hf_checkpoint_dir=DIR` (the family, shape and tokenizer come
+from DIR). The checkpoints are tiny random models made here (`tests.hf_support.FAMILY_SHAPES`) with
+the digit task's tokenizer saved beside them, so the demo's agent runs on them unchanged. Slow: about
+a minute per family on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from jobs.progress import read_records
+from tests.hf_support import tiny_hf_model
+
+pytestmark = pytest.mark.slow
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STEPS, GLOBAL_BATCH = 3, 8
+
+
+@pytest.mark.parametrize("shape", ["llama3_tied", "qwen2", "qwen3"])
+def test_a_closed_loop_job_trains_from_a_checkpoint_of_each_family(shape, tmp_path):
+    checkpoint, out = tmp_path / "checkpoint", tmp_path / "run"
+    hf_model = tiny_hf_model(checkpoint, shape, vocab_size=96)
+    for path in (ROOT / "examples" / "digit_tokenizer").iterdir():
+        shutil.copy(path, checkpoint / path.name)
+    items = [f"run.output_dir={out}", "run.plot=false", f"run.num_steps={STEPS}", "run.checkpoint_every=0",
+             f"train.model.hf_checkpoint_dir={checkpoint}", "train.dp_size=1", "closed_loop.group_size=4",
+             "closed_loop.num_producers=1", f"scheduler.batch.global_batch_size={GLOBAL_BATCH}"]
+    done = subprocess.run([sys.executable, "-m", "jobs.train", *[a for item in items for a in ("--set", item)]],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+
+    records = read_records(out / "steps.jsonl")
+    assert [r["step"] for r in records] == list(range(STEPS))
+    assert [r["num_rollouts"] for r in records] == [GLOBAL_BATCH] * STEPS
+    assert all(r["weight_sync_s"] is not None for r in records)  # every version reached the engines
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["closed_loop"]["failed_groups"] == {}
+    # The engines started from the family's export, with the checkpoint's tokenizer beside it.
+    engine_dir = out / "policy_init"
+    written = json.loads((engine_dir / "config.json").read_text())
+    assert written["model_type"] == hf_model.config.model_type
+    assert written["tie_word_embeddings"] == hf_model.config.tie_word_embeddings
+    assert (engine_dir / "tokenizer.json").read_bytes() == (checkpoint / "tokenizer.json").read_bytes()

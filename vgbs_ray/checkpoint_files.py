@@ -1,0 +1,29 @@
+"""The files of a Hugging Face checkpoint directory besides the weights: its tokenizer travels with it.
+
+A directory has a tokenizer when it holds `tokenizer.json` or `tokenizer_config.json`; every export
+of the policy (the engines' starting checkpoint, `write_hf_checkpoint`) copies whichever tokenizer
+files the source has, so engines and agents use the checkpoint's own tokenizer and chat template.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
+
+
+def has_tokenizer(directory: str | os.PathLike | None) -> bool:
+    return directory is not None and any(os.path.isfile(os.path.join(directory, name))
+                                         for name in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def copy_tokenizer(source: str | os.PathLike | None, destination: str | os.PathLike) -> list[str]:
+    """Copy the tokenizer files `source` has into `destination`; returns their names (none when source is None)."""
+    if source is None or os.path.abspath(source) == os.path.abspath(destination):
+        return []
+    copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
+    for name in copied:
+        shutil.copy(os.path.join(source, name), os.path.join(destination, name))
+    return copied
