@@ -7,7 +7,11 @@ hard-coded `device="cuda"` / `torch.cuda.current_device()` (PLATFORM_NOTES lists
 CPU-only machine, and only there, the name `torch` inside exactly those modules is rebound to
 `_CpuTorch`, a proxy that forwards everything to the real torch except that a CUDA device
 argument becomes the CPU and `torch.cuda.current_device()` / `synchronize()` are CPU no-ops.
-Nothing global changes: `torch` itself, and every other module, are untouched. Two functions
+Nothing global changes: `torch` itself, and every other module, are untouched. The MoE router
+(`moe/router.py`) moves its weight with `torch.cuda.current_device()`, and the gather over tensor-parallel
+ranks its token dispatcher calls (`tensor_parallel/mappings.py`) allocates there, directly and through the
+global memory buffer (which `mappings` gets a CPU stand-in for): both are redirected the same way;
+`moe_utils.te_general_gemm`, defined only when Transformer Engine imports, is set to None. Two functions
 that assert CUDA tensors (`clip_grad_by_total_norm_fp32`, the l2-norm kernel behind the grad
 norm) are replaced by CPU equivalents, in the modules that imported them by name.
 
@@ -30,6 +34,8 @@ _PATCHED_MODULES = (
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.tensor_parallel.mappings",  # the MoE allgather dispatcher's gather over TP allocates on CUDA
 )
 _FACTORIES = frozenset({"tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like",
                         "empty_like", "full_like"})
@@ -97,6 +103,15 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
             grad.mul_(clip_coeff)
 
 
+class _CpuMemoryBuffer:
+    """What `tensor_parallel.mappings` asks of Megatron's global memory buffer, on the CPU (its `get_tensor`
+    allocates with `torch.cuda.current_device()`); a fresh tensor per call, no reuse."""
+
+    @staticmethod
+    def get_tensor(tensor_shape, dtype, name, mem_alloc_context=None):
+        return torch.empty(tensor_shape, dtype=dtype)
+
+
 def activate() -> bool:
     """Redirect the CUDA literals (see module docstring) when CUDA is absent; True if active."""
     global _active
@@ -112,6 +127,12 @@ def activate() -> bool:
     clip_grads.l2_norm_impl = _l2_norm
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     modules["megatron.core.optimizer.optimizer"].clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    # moe_utils binds `te_general_gemm` only when Transformer Engine imports, then reads it unconditionally in the
+    # router's gating; None selects its plain torch.mm branch.
+    modules["megatron.core.tensor_parallel.mappings"].get_global_memory_buffer = _CpuMemoryBuffer
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     _active = True
     return True
 

@@ -35,6 +35,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from actors.megatron_cpu_compat import activate as activate_cpu_compat
 from actors.megatron_cpu_compat import make_rotary_embedding_cpu_safe
 from actors.train_config import ModelConfig
 from vgbs_ray.errors import ConfigError
@@ -108,6 +109,7 @@ def transformer_config(config: ModelConfig, *, tp_size: int, pp_size: int, cp_si
         add_bias_linear=False,
         add_qkv_bias=family.qkv_bias,
         qk_layernorm=family.qk_norm,
+        **_moe_settings(config),
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
         context_parallel_size=cp_size,
@@ -126,6 +128,23 @@ def transformer_config(config: ModelConfig, *, tp_size: int, pp_size: int, cp_si
             persist_layer_norm=False,
         )),
     )
+
+
+def _moe_settings(config: ModelConfig) -> dict:
+    """TransformerConfig fields of a mixture of experts (none for a dense model).
+
+    Softmax over the top-k router logits equals HF's softmax-then-top-k renormalised
+    (`norm_topk_prob`); without renormalisation the softmax comes first (`moe_router_pre_softmax`).
+    SequentialMLP experts and the allgather dispatcher: what runs on CPU (PLATFORM_NOTES). No
+    load-balancing loss: the policy loss is the only objective here (HF adds one only when asked to
+    output router logits).
+    """
+    if config.num_experts is None:
+        return {}
+    return dict(num_moe_experts=config.num_experts, moe_ffn_hidden_size=config.moe_ffn_hidden_size,
+                moe_router_topk=config.moe_router_topk, moe_router_pre_softmax=not config.moe_norm_topk_prob,
+                moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
 
 
 def _pipeline_settings(pp_size: int, vpp_size: int, group: int | None, dtype: torch.dtype) -> dict:
@@ -154,9 +173,13 @@ def build_gpt_model(config: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, 
     if on_gpu and transformer_engine_available():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_experts, moe_grouped_gemm=False,
+                                                          qk_layernorm=qk_norm)
     else:
-        spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm))
+        spec = copy.deepcopy(get_gpt_layer_local_spec(num_experts=config.num_experts, moe_grouped_gemm=False,
+                                                      normalization="RMSNorm", qk_layernorm=qk_norm))
+        if config.num_experts is not None and not on_gpu:
+            activate_cpu_compat()  # the router moves its weight to CUDA, and MoE utilities assume TE
         spec.submodules.self_attention.submodules.core_attention = SDPAAttention
     model = GPTModel(
         config=transformer_config(config, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size, on_gpu=on_gpu,

@@ -42,6 +42,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.weight_sync import PublishedWeights, WeightLoad
 from vgbs_ray.agents.generation import Generation, RequestTooLongError, SamplingConfig
+from vgbs_ray.checkpoint_files import TOKENIZER_FILES, has_tokenizer
 from vgbs_ray.errors import ConfigError, VgbsError
 
 # In-process vLLM without torch.compile (PLATFORM_NOTES: start-up ~2 s, first logprobs call without a 14 s compile).
@@ -154,6 +155,11 @@ class RolloutEngine:
         else:
             kwargs.update(kv_cache_memory_bytes=int(config.kv_cache_gib * (1 << 30)), enforce_eager=True)
         self.llm = LLM(**kwargs)
+        self._llm_kwargs, self._model_dir = kwargs, model_dir
+        # vLLM 0.32's in-place reload on CPU corrupts a mixture of experts (reloading the very same weights
+        # changes its outputs: the router's CPU GEMM dropped its weight when it was packed). There the
+        # engine loads a new version by starting a new LLM from the version's files instead.
+        self.reload_by_restart = not config.on_gpu and _is_mixture_of_experts(model_dir)
         self._calls: queue.Queue[_Call] = queue.Queue()
         self._busy_s = self._idle_s = 0.0
         self._generate_batches = self._requests = 0
@@ -265,12 +271,48 @@ class RolloutEngine:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             tensors = [(name, torch.from_numpy(np.asarray(array))) for name, array in weights.items()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
-        self.llm.collective_rpc(_refresh_tied_output_layer)
-        self.llm.reset_prefix_cache()  # cached keys/values were computed by the old weights
+        if self.reload_by_restart:
+            self._restart_with(tensors, policy_version)
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+            self.llm.collective_rpc(_refresh_tied_output_layer)
+            self.llm.reset_prefix_cache()  # cached keys/values were computed by the old weights
         self.policy_version = policy_version
         return [WeightLoad(engine=self.name, policy_version=policy_version, load_time_s=time.perf_counter() - start,
                            num_bytes=sum(np.asarray(a).nbytes for a in weights.values()))]
+
+
+    def _restart_with(self, tensors: list, policy_version: int) -> None:
+        """A new LLM from this version's weights, written beside the engine's start checkpoint (its config.json
+        and tokenizer files); the previous version's files are removed once the new engine holds its weights."""
+        import gc
+        import shutil
+        import tempfile
+
+        from safetensors.torch import save_file
+        from vllm import LLM
+
+        version_dir = tempfile.mkdtemp(prefix=f"{self.name}-v{policy_version}-")
+        save_file({name: tensor.contiguous() for name, tensor in tensors}, os.path.join(version_dir, "model.safetensors"),
+                  metadata={"format": "pt"})
+        for name in ("config.json", *TOKENIZER_FILES):
+            if os.path.isfile(os.path.join(self._model_dir, name)):
+                shutil.copy(os.path.join(self._model_dir, name), os.path.join(version_dir, name))
+        previous = self._llm_kwargs["model"]
+        del self.llm
+        gc.collect()
+        self._llm_kwargs = dict(self._llm_kwargs, model=version_dir)
+        self.llm = LLM(**self._llm_kwargs)
+        if previous != self._model_dir:
+            shutil.rmtree(previous, ignore_errors=True)
+
+
+def _is_mixture_of_experts(model_dir: str) -> bool:
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as handle:
+        hf = json.load(handle)
+    return bool(hf.get("num_experts") or hf.get("num_local_experts"))
 
 
 def _refresh_tied_output_layer(worker) -> bool:
@@ -296,11 +338,6 @@ def _per_prompt(sampling: SamplingConfig | Sequence[SamplingConfig], count: int)
     if len(samplings) != count:
         raise ConfigError(f"generate: {count} prompts but {len(samplings)} sampling configs (give one, or one each)")
     return samplings
-
-
-def has_tokenizer(model_dir: str) -> bool:
-    """Whether a checkpoint directory holds Hugging Face tokenizer files."""
-    return any(os.path.exists(os.path.join(model_dir, name)) for name in ("tokenizer.json", "tokenizer_config.json"))
 
 
 def engine_error(error: Exception, engine_name: str, what: str) -> Exception:

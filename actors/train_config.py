@@ -51,6 +51,14 @@ class ModelConfig:
     """RMSNorm epsilon (HF `rms_norm_eps`)."""
     max_position_embeddings: int = 256
     """Longest sample (tokens) the policy and the engines accept (HF `max_position_embeddings`)."""
+    num_experts: int | None = None
+    """Mixture of experts in every layer (families with `moe`, e.g. 'qwen3_moe'); None = a dense MLP."""
+    moe_ffn_hidden_size: int | None = None
+    """Each expert's SwiGLU inner width (HF `moe_intermediate_size`)."""
+    moe_router_topk: int = 2
+    """Experts per token (HF `num_experts_per_tok`)."""
+    moe_norm_topk_prob: bool = True
+    """The chosen experts' gate weights are renormalised to sum to 1 (HF `norm_topk_prob`)."""
     tie_word_embeddings: bool = False
     """The output layer reuses the input embedding (HF `tie_word_embeddings`; Llama 3.2, Qwen2.5 and Qwen3's small sizes)."""
     seed: int = 1234
@@ -62,7 +70,13 @@ class ModelConfig:
     (`actors.hf_checkpoint.model_config_from_hf` builds a matching config)."""
 
     def __post_init__(self):
-        get_family(self.family)  # a ConfigError naming the supported families
+        family = get_family(self.family)  # a ConfigError naming the supported families
+        if family.moe != (self.num_experts is not None):
+            raise ConfigError(f"ModelConfig.num_experts={self.num_experts!r}: family {self.family!r} is "
+                              f"{'a mixture of experts: set num_experts' if family.moe else 'dense: leave it None'}")
+        if self.num_experts is not None and not (self.moe_ffn_hidden_size and 1 <= self.moe_router_topk <= self.num_experts):
+            raise ConfigError(f"ModelConfig: a mixture of experts needs moe_ffn_hidden_size > 0 and 1 <= "
+                              f"moe_router_topk ({self.moe_router_topk}) <= num_experts ({self.num_experts})")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                      "vocab_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:
@@ -93,7 +107,7 @@ class ModelConfig:
         family = get_family(self.family)
         return WeightLayout(num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
                             qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
-                            tied_embeddings=self.tie_word_embeddings)
+                            tied_embeddings=self.tie_word_embeddings, num_experts=self.num_experts or 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,6 +222,10 @@ class TrainGroupConfig:
                 raise ConfigError(f"TrainGroupConfig.{name} must be > 0 seconds, got {getattr(self, name)}")
 
     def _check_pipeline(self) -> None:
+        if self.model.num_experts is not None and self.pp_size > 1:
+            # Megatron's variable-length pipeline exchange needs the alltoall dispatcher; the CPU path runs allgather.
+            raise ConfigError("TrainGroupConfig: a mixture-of-experts model (model.num_experts) needs pp_size=1 "
+                              f"(not supported with pipeline stages yet), got pp_size={self.pp_size}")
         if self.model.tie_word_embeddings and self.pp_size > 1:
             # Megatron keeps a copy of a tied embedding on the last stage and all-reduces their gradients
             # across the first and last stage; the CPU train step does not do that reduction yet.

@@ -43,6 +43,15 @@ FAMILY_SHAPES = {
     # Qwen3-0.6B: tied embeddings, QK-norm, head_dim independent of hidden_size / heads (32 x 4 != 64).
     "qwen3": ("Qwen3Config", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                   tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    # Qwen3-30B-A3B: a mixture of experts in every layer (4 experts, top 2, renormalised), QK-norm, untied.
+    "qwen3_moe": ("Qwen3MoeConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                         norm_topk_prob=True, tie_word_embeddings=False)),
+    # Qwen3-MoE without renormalising the chosen experts' gate weights (`norm_topk_prob=False`), tied.
+    "qwen3_moe_unnormed": ("Qwen3MoeConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                                  head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                                  moe_intermediate_size=64, norm_topk_prob=False,
+                                                  tie_word_embeddings=True)),
     # A larger Qwen3: untied.
     "qwen3_untied": ("Qwen3Config", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                          tie_word_embeddings=False)),

@@ -22,7 +22,7 @@ def test_default_model_fits_the_vllm_cpu_attention_and_uses_gqa():
     (dict(hidden_size=102), r"hidden_size=102 must be a multiple of num_attention_heads=4"),
     (dict(hidden_size=36, num_attention_heads=4, num_query_groups=1), r"head_dim = 9 .* must be positive and even"),
     (dict(kv_channels=7), r"head_dim = 7 .* must be positive and even"),
-    (dict(family="gpt2"), r"model family 'gpt2' is not supported; supported: \['llama', 'qwen2', 'qwen3'\]"),
+    (dict(family="gpt2"), r"model family 'gpt2' is not supported; supported: \['llama', 'qwen2', 'qwen3', 'qwen3_moe'\]"),
     (dict(norm_epsilon=0.0), r"norm_epsilon \(0.0\) must be > 0"),
 ])
 def test_model_config_errors_name_the_field(overrides, match):

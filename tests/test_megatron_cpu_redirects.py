@@ -25,6 +25,12 @@ def test_patched_modules_allocate_cuda_literals_on_cpu_and_torch_itself_is_untou
     assert schedules.torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
     assert p2p_communication.torch.empty((3,), device=p2p_communication.torch.cuda.current_device()).device.type == "cpu"
     assert param_and_grad_buffer.torch.zeros(4, device=torch.device("cuda", 0)).device.type == "cpu"
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import moe_utils, router
+
+    assert router.torch.cuda.current_device() == torch.device("cpu")  # the MoE router's weight move
+    assert mappings.get_global_memory_buffer().get_tensor((2, 3), torch.float32, "mpu").device.type == "cpu"
+    assert moe_utils.te_general_gemm is None  # the router's gating takes its torch.mm branch without TE
     assert schedules.torch.Tensor is torch.Tensor  # everything else is the real torch
     with pytest.raises((AssertionError, RuntimeError)):  # the real torch still has no CUDA
         torch.zeros(1, device="cuda")

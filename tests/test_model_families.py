@@ -1,4 +1,4 @@
-"""The checkpoints people post-train: Llama 3.x, Qwen2.5 and Qwen3 shapes from Hugging Face (tiny random
+"""The checkpoints people post-train: Llama 3.x, Qwen2.5, Qwen3 and Qwen3-MoE shapes from Hugging Face (tiny random
 models made here with `transformers`, norms and biases random too).
 
 Per shape (`tests.hf_support.FAMILY_SHAPES`): Megatron's logits equal transformers' (fp32, 1e-4) at TP=1
@@ -187,8 +187,14 @@ def _config_json(**changes) -> dict:
 
 
 @pytest.mark.parametrize("changes, match", [
-    (dict(model_type="deepseek_v3"), r"model_type='deepseek_v3' is not supported; supported: \['llama', 'qwen2', 'qwen3'\]"),
-    (dict(model_type="qwen3_moe"), r"model_type='qwen3_moe' is not supported"),
+    (dict(model_type="deepseek_v3"),
+     r"model_type='deepseek_v3' is not supported; supported: \['llama', 'qwen2', 'qwen3', 'qwen3_moe'\]"),
+    (dict(model_type="qwen2_moe"), r"model_type='qwen2_moe' is not supported"),
+    (dict(model_type="qwen3_moe", num_experts_per_tok=2, moe_intermediate_size=32), r"missing key 'num_experts'"),
+    (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+          decoder_sparse_step=2), r"decoder_sparse_step=2 is not supported"),
+    (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+          mlp_only_layers=[1]), r"mlp_only_layers=\[1\] is not supported"),
     (dict(model_type="mistral"), r"model_type='mistral' is not supported"),
     (dict(use_sliding_window=True), r"use_sliding_window=True is not supported"),
     (dict(model_type="qwen3", layer_types=["full_attention", "sliding_attention"]), r"layer_types .* layers \[1\]"),
@@ -214,6 +220,8 @@ def test_what_the_policy_cannot_hold_is_refused_naming_the_key(changes, match):
         "original_max_position_embeddings": 8192})),
     ("qwen2", dict()),
     ("qwen3", dict(head_dim=32, tie_word_embeddings=False)),
+    ("qwen3_moe", dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                       norm_topk_prob=True)),
 ])
 def test_a_written_config_json_reads_back_as_the_same_model(family, extra):
     from actors.hf_checkpoint import hf_config_dict
@@ -225,11 +233,20 @@ def test_a_written_config_json_reads_back_as_the_same_model(family, extra):
     assert again == config and config.family == family
 
 
-def test_tied_embeddings_across_pipeline_stages_are_refused_at_configuration():
+def test_what_the_cpu_train_path_does_not_run_yet_is_refused_at_configuration():
     from actors.train_config import ModelConfig, TrainGroupConfig
 
     with pytest.raises(ConfigError, match="tie_word_embeddings=True needs pp_size=1"):
         TrainGroupConfig(pp_size=2, model=ModelConfig(tie_word_embeddings=True))
+    moe = ModelConfig(family="qwen3_moe", kv_channels=32, num_experts=4, moe_ffn_hidden_size=32)
+    with pytest.raises(ConfigError, match="mixture-of-experts model .* needs pp_size=1"):
+        TrainGroupConfig(pp_size=2, model=moe)
+    with pytest.raises(ConfigError, match="family 'llama' is dense: leave it None"):
+        ModelConfig(num_experts=4, moe_ffn_hidden_size=32)
+    with pytest.raises(ConfigError, match="family 'qwen3_moe' is a mixture of experts: set num_experts"):
+        ModelConfig(family="qwen3_moe")
+    with pytest.raises(ConfigError, match=r"1 <= moe_router_topk \(5\) <= num_experts \(4\)"):
+        ModelConfig(family="qwen3_moe", num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=5)
 
 
 def test_job_config_takes_the_model_and_tokenizer_from_the_checkpoint_directory(tmp_path):

@@ -24,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS, GLOBAL_BATCH = 3, 8
 
 
-@pytest.mark.parametrize("shape", ["llama3_tied", "qwen2", "qwen3"])
+@pytest.mark.parametrize("shape", ["llama3_tied", "qwen2", "qwen3", "qwen3_moe"])
 def test_a_closed_loop_job_trains_from_a_checkpoint_of_each_family(shape, tmp_path):
     checkpoint, out = tmp_path / "checkpoint", tmp_path / "run"
     hf_model = tiny_hf_model(checkpoint, shape, vocab_size=96)

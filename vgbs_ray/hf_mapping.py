@@ -19,6 +19,9 @@ The table (per layer `i`; H hidden, V vocab, F ffn, q query heads, g key/value g
 | `output_layer.weight`                                 | `lm_head.weight`                               | same [V, H] (untied only)                |
 | `decoder.layers.i.self_attention.linear_qkv.bias`     | `...self_attn.{q,k,v}_proj.bias`               | grouped like the weight's rows (Qwen2)   |
 | `decoder.layers.i.self_attention.{q,k}_layernorm.weight` | `...self_attn.{q,k}_norm.weight`            | same [d] (Qwen3's QK-norm)               |
+| `decoder.layers.i.mlp.router.weight`                  | `...mlp.gate.weight`                           | same [E, H] (mixture of experts)         |
+| `decoder.layers.i.mlp.experts.local_experts.e.linear_fc1.weight` | `...mlp.experts.e.{gate,up}_proj.weight` | `cat([gate, up])` per expert     |
+| `decoder.layers.i.mlp.experts.local_experts.e.linear_fc2.weight` | `...mlp.experts.e.down_proj.weight` | same per expert                       |
 
 Which optional rows apply is the model's `WeightLayout` (`vgbs_ray.model_families`). With tied
 embeddings HF has no `lm_head.weight`; a Megatron last pipeline stage's copy of the embedding
@@ -61,7 +64,6 @@ _LAYER_SAME = (
     ("input_layernorm.weight", "input_layernorm.weight"),
     ("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
     ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
-    ("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
 )
 _QK_NORM = (
     ("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
@@ -73,6 +75,8 @@ _QKV_BIAS = "self_attention.linear_qkv.bias"
 _QKV_BIAS_HF = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 _FC1 = "mlp.linear_fc1.weight"
 _FC1_HF = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+_FC2 = ("mlp.linear_fc2.weight", "mlp.down_proj.weight")
+_ROUTER = ("mlp.router.weight", "mlp.gate.weight")
 _TE_FUSED_NORMS = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
@@ -145,7 +149,24 @@ def _global_pairs(layout: WeightLayout) -> tuple:
 
 
 def _same_pairs(layout: WeightLayout) -> tuple:
-    return (*_LAYER_SAME, *(_QK_NORM if layout.qk_norm else ()))
+    return (*_LAYER_SAME, *(_QK_NORM if layout.qk_norm else ()), *(_mlp_pairs(layout)))
+
+
+def _mlp_pairs(layout: WeightLayout) -> tuple:
+    """The MLP rows copied as they are: the dense down projection, or the router and every expert's."""
+    if not layout.num_experts:
+        return (_FC2,)
+    return (_ROUTER, *((f"mlp.experts.local_experts.{e}.linear_fc2.weight", f"mlp.experts.{e}.down_proj.weight")
+                       for e in range(layout.num_experts)))
+
+
+def _fc1_pairs(layout: WeightLayout) -> tuple:
+    """(Megatron [gate; up] name, (HF gate name, HF up name)) of the dense MLP or of every expert."""
+    if not layout.num_experts:
+        return ((_FC1, _FC1_HF),)
+    return tuple((f"mlp.experts.local_experts.{e}.linear_fc1.weight",
+                  (f"mlp.experts.{e}.gate_proj.weight", f"mlp.experts.{e}.up_proj.weight"))
+                 for e in range(layout.num_experts))
 
 
 def _layout(layout: WeightLayout | None, num_attention_heads: int | None, num_query_groups: int | None) -> WeightLayout:
@@ -179,10 +200,11 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], layout: WeightLayout | Non
             bias = _take(state, m + _QKV_BIAS, used)[:, None]
             out.update(zip((h + n for n in _QKV_BIAS_HF), (b[:, 0] for b in _qkv_split(bias, heads, groups,
                                                                                        m + _QKV_BIAS))))
-        fc1 = _take(state, m + _FC1, used)
-        if fc1.shape[0] % 2:
-            raise WeightMappingError(f"{m + _FC1}: {fc1.shape[0]} rows cannot be [gate; up]")
-        out.update(zip((h + n for n in _FC1_HF), fc1.chunk(2, dim=0)))
+        for fc1_name, gate_up in _fc1_pairs(layout):
+            fc1 = _take(state, m + fc1_name, used)
+            if fc1.shape[0] % 2:
+                raise WeightMappingError(f"{m + fc1_name}: {fc1.shape[0]} rows cannot be [gate; up]")
+            out.update(zip((h + n for n in gate_up), fc1.chunk(2, dim=0)))
     _check_all_used(state, used, "Megatron")
     return {name: tensor.contiguous() for name, tensor in out.items()}
 
@@ -210,10 +232,11 @@ def hf_to_megatron(state: Mapping[str, torch.Tensor], layout: WeightLayout | Non
         if layout.qkv_bias:
             q, k, v = (_take(state, h + n, used)[:, None] for n in _QKV_BIAS_HF)
             out[m + _QKV_BIAS] = _qkv_fuse(q, k, v, heads, groups, h + "self_attn (bias)")[:, 0]
-        gate, up = (_take(state, h + n, used) for n in _FC1_HF)
-        if gate.shape != up.shape:
-            raise WeightMappingError(f"{h}mlp: gate_proj {tuple(gate.shape)} and up_proj {tuple(up.shape)} differ")
-        out[m + _FC1] = torch.cat([gate, up], dim=0)
+        for fc1_name, gate_up in _fc1_pairs(layout):
+            gate, up = (_take(state, h + n, used) for n in gate_up)
+            if gate.shape != up.shape:
+                raise WeightMappingError(f"{h}{gate_up[0]} {tuple(gate.shape)} and up_proj {tuple(up.shape)} differ")
+            out[m + fc1_name] = torch.cat([gate, up], dim=0)
     _check_all_used(state, used, "Hugging Face")
     return {name: tensor.contiguous() for name, tensor in out.items()}
 

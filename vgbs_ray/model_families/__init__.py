@@ -5,7 +5,8 @@
     get_family(config.family).write_hf_config(config)            # -> config.json
 
 Adding a family: a module with its `ModelFamily` (see `spec.py`), listed in `FAMILIES`. Mixture
-of experts (Qwen3-MoE) is not a family yet: its `model_type` is refused like any other.
+of experts: Qwen3-MoE (`qwen3_moe`); Qwen2-MoE's shared experts, DeepSeek's MLA and others are refused
+by `model_type` like any other unknown family.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from vgbs_ray.errors import ConfigError
 from vgbs_ray.model_families.llama import LLAMA
 from vgbs_ray.model_families.qwen2 import QWEN2
 from vgbs_ray.model_families.qwen3 import QWEN3
+from vgbs_ray.model_families.qwen3_moe import QWEN3_MOE
 from vgbs_ray.model_families.spec import HFConfigReader, ModelFamily, RopeScaling, WeightLayout
 
-FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (LLAMA, QWEN2, QWEN3)}
+FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (LLAMA, QWEN2, QWEN3, QWEN3_MOE)}
 
 
 def get_family(name: str) -> ModelFamily:

@@ -18,5 +18,5 @@ def _write(config) -> dict:
     return dict(common_hf_config(config, LLAMA), attention_bias=False, mlp_bias=False)
 
 
-LLAMA = ModelFamily(name="llama", hf_architecture="LlamaForCausalLM", qkv_bias=False, qk_norm=False,
+LLAMA = ModelFamily(name="llama", hf_architecture="LlamaForCausalLM", qkv_bias=False, qk_norm=False, moe=False,
                     read_hf_config=_read, write_hf_config=_write)

@@ -16,5 +16,5 @@ def _write(config) -> dict:
     return dict(common_hf_config(config, QWEN2), use_sliding_window=False)
 
 
-QWEN2 = ModelFamily(name="qwen2", hf_architecture="Qwen2ForCausalLM", qkv_bias=True, qk_norm=False,
+QWEN2 = ModelFamily(name="qwen2", hf_architecture="Qwen2ForCausalLM", qkv_bias=True, qk_norm=False, moe=False,
                     read_hf_config=_read, write_hf_config=_write)

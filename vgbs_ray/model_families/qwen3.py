@@ -17,5 +17,5 @@ def _write(config) -> dict:
     return dict(common_hf_config(config, QWEN3), attention_bias=False, use_sliding_window=False)
 
 
-QWEN3 = ModelFamily(name="qwen3", hf_architecture="Qwen3ForCausalLM", qkv_bias=False, qk_norm=True,
+QWEN3 = ModelFamily(name="qwen3", hf_architecture="Qwen3ForCausalLM", qkv_bias=False, qk_norm=True, moe=False,
                     read_hf_config=_read, write_hf_config=_write)

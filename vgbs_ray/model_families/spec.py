@@ -53,6 +53,8 @@ class WeightLayout:
     """Per-head query and key RMSNorm weights (Megatron `q_layernorm` / `k_layernorm`)."""
     tied_embeddings: bool = False
     """No separate output layer: HF has no `lm_head.weight`, Megatron's is the embedding's."""
+    num_experts: int = 0
+    """Mixture of experts in every layer (router + this many SwiGLU experts); 0 = a dense MLP."""
 
 
 class HFConfigReader:
@@ -160,6 +162,8 @@ class ModelFamily:
     """Biases on the query, key and value projections (Megatron `add_qkv_bias`); none on the output projection."""
     qk_norm: bool
     """Per-head RMSNorm of queries and keys before RoPE (Megatron `qk_layernorm`)."""
+    moe: bool
+    """Every layer's MLP is a mixture of experts (the model's `num_experts` must be set)."""
     read_hf_config: Callable[[HFConfigReader], dict[str, Any]]
     """config.json -> ModelConfig fields (refusing what the policy cannot hold)."""
     write_hf_config: Callable[[Any], dict[str, Any]]
