@@ -203,6 +203,12 @@ class TrainGroupConfig:
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"TrainGroupConfig.{name} must be a positive integer, got {value!r}")
         self._check_pipeline()
+        if self.model.params_dtype == "bfloat16" and self.backend != "nccl":
+            raise ConfigError(
+                "TrainGroupConfig: model.params_dtype='bfloat16' needs backend='nccl' (a GPU): Megatron-Core 0.16.1's "
+                "mixed-precision optimizer accepts only CUDA bf16 tensors; on CPU set train.model.params_dtype=float32 "
+                "(a bf16 checkpoint then loads into float32 parameters)"
+            )
         if self.cp_size != 1 and self.backend != "nccl":
             raise ConfigError(
                 f"TrainGroupConfig.cp_size={self.cp_size} needs backend='nccl': Megatron's context parallelism "

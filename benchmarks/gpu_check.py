@@ -2,11 +2,15 @@
 
 NOT RUN IN THIS REPOSITORY'S CI: it needs a GPU. `benchmarks/gpu_check.sh` runs it.
 
+The model is Qwen3-shaped (`MODEL`: QK-norm, head_dim 64 independent of hidden / heads, tied embeddings).
+
 1. `--mode cpu` (CUDA hidden): one gloo rank builds the model from its seed, saves the initial
    weights, trains STEPS fixed-rollout steps (SGD, no clipping, float32) and saves the update.
 2. `--mode gpu`: `world` NCCL ranks (one per GPU; DP=1, or CP=2 with two GPUs) load those initial
    weights, train the same steps, and compare: relative difference of the updates < 1e-3.
    Transformer Engine attention is used when installed (the model picks its TE spec on GPU).
+   Then the same in bf16 (Megatron's fp32 main parameters and gradients): its relative difference
+   to the float32 update is printed, not gated (bf16 parameters round each update; no bar measured yet).
 Prints one line per comparison and exits non-zero on a mismatch.
 """
 
@@ -40,13 +44,21 @@ def _shards(step: int, cp_size: int):
     return build_step_shards(samples, schedule.steps[0], step)
 
 
-def _config(backend: str, cp_size: int):
+def _model(dtype: str = "float32"):
+    from actors.train_config import ModelConfig
+
+    return ModelConfig(family="qwen3", hidden_size=128, num_attention_heads=4, num_query_groups=2, kv_channels=64,
+                       tie_word_embeddings=True, params_dtype=dtype)
+
+
+def _config(backend: str, cp_size: int, dtype: str = "float32"):
     from tests.train_support import sgd_config
 
-    return sgd_config(lr=1.0, backend=backend, cp_size=cp_size)
+    return sgd_config(lr=1.0, backend=backend, cp_size=cp_size, model=_model(dtype))
 
 
-def _train(rank: int, world: int, port: int, backend: str, cp_size: int, initial: str | None, out: str) -> None:
+def _train(rank: int, world: int, port: int, backend: str, cp_size: int, initial: str | None, out: str,
+           dtype: str = "float32") -> None:
     import torch
 
     from actors.distributed import init_distributed
@@ -55,7 +67,7 @@ def _train(rank: int, world: int, port: int, backend: str, cp_size: int, initial
     torch.set_num_threads(1)
     info = init_distributed(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port,
                             backend=backend, timeout_s=120, tp_size=1, pp_size=1, cp_size=cp_size)
-    trainer = RankTrainer(_config(backend, cp_size), info)
+    trainer = RankTrainer(_config(backend, cp_size, dtype), info)
     if initial is None:
         np.savez(out + ".initial.npz", **trainer.full_parameters())
     else:
@@ -65,15 +77,15 @@ def _train(rank: int, world: int, port: int, backend: str, cp_size: int, initial
     after = trainer.full_parameters()
     if rank == 0:
         np.savez(out, **{k: after[k].astype(np.float64) - before[k].astype(np.float64) for k in before})
-        print(f"{backend} cp={cp_size}: loss pairs per step {losses}")
+        print(f"{backend} cp={cp_size} {dtype}: loss pairs per step {losses}")
 
 
-def _spawn(world: int, backend: str, cp_size: int, initial: str | None, out: str) -> None:
+def _spawn(world: int, backend: str, cp_size: int, initial: str | None, out: str, dtype: str = "float32") -> None:
     from actors.distributed import find_free_port
 
     port = find_free_port()
     context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=_train, args=(r, world, port, backend, cp_size, initial, out))
+    procs = [context.Process(target=_train, args=(r, world, port, backend, cp_size, initial, out, dtype))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -118,6 +130,10 @@ def main() -> None:
               f"({'OK' if ok else 'MISMATCH'}, tolerance {TOLERANCE:g})")
     if len(checks) == 1:
         print("CP=2: skipped (needs 2 GPUs and Transformer Engine)")
+    bf16_out = os.path.join(args.dir, "gpu_bf16_update.npz")
+    _spawn(1, "nccl", 1, cpu_out + ".initial.npz", bf16_out, dtype="bfloat16")
+    print(f"NCCL dp=1 bf16 vs CPU gloo float32: relative update difference "
+          f"{_relative(expected, dict(np.load(bf16_out))):.2e} (reported, not gated)")
     raise SystemExit(1 if failed else 0)
 
 

@@ -241,6 +241,8 @@ def test_what_the_cpu_train_path_does_not_run_yet_is_refused_at_configuration():
     moe = ModelConfig(family="qwen3_moe", kv_channels=32, num_experts=4, moe_ffn_hidden_size=32)
     with pytest.raises(ConfigError, match="mixture-of-experts model .* needs pp_size=1"):
         TrainGroupConfig(pp_size=2, model=moe)
+    with pytest.raises(ConfigError, match="params_dtype='bfloat16' needs backend='nccl'"):
+        TrainGroupConfig(model=ModelConfig(params_dtype="bfloat16"))
     with pytest.raises(ConfigError, match="family 'llama' is dense: leave it None"):
         ModelConfig(num_experts=4, moe_ffn_hidden_size=32)
     with pytest.raises(ConfigError, match="family 'qwen3_moe' is a mixture of experts: set num_experts"):
