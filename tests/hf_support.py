@@ -91,6 +91,16 @@ def hf_log_probs(model, tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits[:-1], dim=-1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
 
 
+def assert_logits_match(hf_model, sequences: list, logits: list, atol: float = 1e-4) -> None:
+    """Each sequence's Megatron logits ([L, vocab], full vocabulary) equal the transformers model's (fp32)."""
+    for tokens, got in zip(sequences, logits, strict=True):
+        got = torch.as_tensor(got)
+        with torch.no_grad():
+            expected = hf_model(torch.tensor([tokens])).logits[0]
+        assert got.shape == expected.shape
+        assert torch.allclose(got, expected, atol=atol, rtol=0), float((got - expected).abs().max())
+
+
 def megatron_logits(model, tokens: list[int]) -> torch.Tensor:
     """Unpacked (sbhd) logits of one sequence, [L, vocab / tp]."""
     with torch.no_grad():
@@ -158,3 +168,31 @@ def tp_rank_worker(rank: int, world_size: int, port: int, hf_dir: str, sequences
         results.close()
         results.join_thread()
         os._exit(0)  # skip gloo / Megatron teardown in the child
+
+
+def run_tp_ranks(hf_dir, sequences: list, world_size: int = 2) -> tuple[list, dict]:
+    """Spawn `world_size` TP ranks (`tp_rank_worker`) on the checkpoint in `hf_dir`; rank 0's
+    (full-vocabulary logits per sequence, exported HF weights as numpy arrays). A rank's error fails the test."""
+    import multiprocessing
+
+    from actors.distributed import find_free_port
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = find_free_port()
+    procs = [context.Process(target=tp_rank_worker, args=(rank, world_size, port, str(hf_dir), sequences, results))
+             for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    try:
+        reports = {}
+        for _ in procs:
+            rank, logits, exported, error = results.get(timeout=180)
+            assert error is None, f"TP rank {rank}: {error}"
+            reports[rank] = (logits, exported)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    return reports[0]

@@ -9,13 +9,13 @@ one sequence at a time.
 from __future__ import annotations
 
 import json
-import multiprocessing
 
 import numpy as np
 import pytest
 import torch
 
-from tests.hf_support import hf_log_probs, megatron_logits, model_config_for, tiny_hf_llama, tp_rank_worker
+from tests.hf_support import (assert_logits_match, hf_log_probs, megatron_logits, model_config_for, run_tp_ranks,
+                              tiny_hf_llama)
 from tests.train_support import ensure_single_process_group
 from vgbs_ray.errors import ConfigError
 
@@ -43,12 +43,7 @@ def megatron_tp1(hf_dir):
 def test_megatron_logits_equal_transformers_at_tp1(hf_dir, megatron_tp1):
     _, hf_model = hf_dir
     _, model = megatron_tp1
-    for tokens in SEQUENCES:
-        with torch.no_grad():
-            expected = hf_model(torch.tensor([tokens])).logits[0]
-        got = megatron_logits(model, tokens)
-        assert got.shape == expected.shape
-        assert torch.allclose(got, expected, atol=1e-4, rtol=0), float((got - expected).abs().max())
+    assert_logits_match(hf_model, SEQUENCES, [megatron_logits(model, tokens) for tokens in SEQUENCES])
 
 
 def test_import_then_export_is_bit_exact_and_loads_in_transformers(hf_dir, megatron_tp1, tmp_path):
@@ -73,34 +68,11 @@ def test_import_then_export_is_bit_exact_and_loads_in_transformers(hf_dir, megat
 
 
 def test_tp2_logits_equal_transformers_and_export_gathers_bit_exact(hf_dir):
-    from actors.distributed import find_free_port
     from actors.hf_checkpoint import read_hf_weights
 
     path, hf_model = hf_dir
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = find_free_port()
-    procs = [context.Process(target=tp_rank_worker, args=(rank, 2, port, str(path), SEQUENCES, results))
-             for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        reports = {}
-        for _ in procs:
-            rank, logits, exported, error = results.get(timeout=180)
-            assert error is None, f"TP rank {rank}: {error}"
-            reports[rank] = (logits, exported)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    logits, exported = reports[0]
-    for tokens, got in zip(SEQUENCES, logits):
-        got = torch.from_numpy(got)
-        with torch.no_grad():
-            expected = hf_model(torch.tensor([tokens])).logits[0]
-        assert torch.allclose(got, expected, atol=1e-4, rtol=0), float((got - expected).abs().max())
+    logits, exported = run_tp_ranks(path, SEQUENCES)
+    assert_logits_match(hf_model, SEQUENCES, logits)
     original = read_hf_weights(path)
     assert set(exported) == set(original)
     for name, tensor in original.items():

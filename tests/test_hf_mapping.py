@@ -101,3 +101,19 @@ def test_stride_two_shard_holds_its_gate_and_up_slices():
     # a plain concatenation of such shards would interleave gate and up: the stride must be honoured
     shards = [split_tp_shard(torch.cat([gate, up]), tp_rank=r, tp_size=2, partition_dim=0, stride=2) for r in range(2)]
     assert not torch.equal(torch.cat(shards), torch.cat([gate, up]))
+
+
+def test_tied_embeddings_have_no_head_and_a_stored_head_must_be_the_embedding():
+    from vgbs_ray.model_families import WeightLayout
+
+    tied = WeightLayout(num_attention_heads=HEADS, num_query_groups=GROUPS, tied_embeddings=True)
+    hf = random_hf_state()
+    del hf["lm_head.weight"]
+    megatron = hf_to_megatron(hf, tied)
+    assert "output_layer.weight" not in megatron
+    last_stage = dict(megatron, **{"output_layer.weight": megatron["embedding.word_embeddings.weight"]})
+    assert set(megatron_to_hf(last_stage, tied)) == set(hf)  # a last stage's copy is consumed, not written
+    stored = dict(hf, **{"lm_head.weight": hf["model.embed_tokens.weight"].clone()})
+    assert set(hf_to_megatron(stored, tied)) == set(megatron)
+    with pytest.raises(WeightMappingError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        hf_to_megatron(dict(hf, **{"lm_head.weight": torch.zeros(VOCAB, HIDDEN)}), tied)

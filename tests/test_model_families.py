@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing
 import pathlib
 
 import numpy as np
 import pytest
 import torch
 
-from tests.hf_support import (FAMILY_SHAPES, megatron_logits, model_config_for, response_log_probs, tiny_hf_model,
-                              tp_rank_worker)
+from tests.hf_support import (FAMILY_SHAPES, assert_logits_match, megatron_logits, model_config_for, response_log_probs,
+                              run_tp_ranks, tiny_hf_model)
 from tests.train_support import ensure_single_process_group
 from vgbs_ray.errors import ConfigError
 
@@ -52,12 +51,7 @@ def test_model_config_carries_the_family_and_its_features(checkpoint):
 
 def test_megatron_logits_equal_transformers_at_tp1(checkpoint):
     _, _, hf_model, _, model = checkpoint
-    for tokens in SEQUENCES:
-        with torch.no_grad():
-            expected = hf_model(torch.tensor([tokens])).logits[0]
-        got = megatron_logits(model, tokens)
-        assert got.shape == expected.shape
-        assert torch.allclose(got, expected, atol=1e-4, rtol=0), float((got - expected).abs().max())
+    assert_logits_match(hf_model, SEQUENCES, [megatron_logits(model, tokens) for tokens in SEQUENCES])
 
 
 def test_import_then_export_is_bit_exact_with_the_checkpoints_names_and_loads_in_transformers(checkpoint, tmp_path):
@@ -103,34 +97,11 @@ def test_llama3_rope_scaling_is_applied_not_ignored(checkpoint):
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 def test_tp2_logits_equal_transformers_and_export_gathers_bit_exact(shape, tmp_path):
-    from actors.distributed import find_free_port
     from actors.hf_checkpoint import read_hf_weights
 
     hf_model = tiny_hf_model(tmp_path, shape, vocab_size=VOCAB)
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = find_free_port()
-    procs = [context.Process(target=tp_rank_worker, args=(rank, 2, port, str(tmp_path), SEQUENCES, results))
-             for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        reports = {}
-        for _ in procs:
-            rank, logits, exported, error = results.get(timeout=180)
-            assert error is None, f"TP rank {rank}: {error}"
-            reports[rank] = (logits, exported)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    logits, exported = reports[0]
-    for tokens, got in zip(SEQUENCES, logits):
-        with torch.no_grad():
-            expected = hf_model(torch.tensor([tokens])).logits[0]
-        got = torch.from_numpy(got)
-        assert torch.allclose(got, expected, atol=1e-4, rtol=0), float((got - expected).abs().max())
+    logits, exported = run_tp_ranks(tmp_path, SEQUENCES)
+    assert_logits_match(hf_model, SEQUENCES, logits)
     original = read_hf_weights(tmp_path)
     assert set(exported) == set(original)
     for name, tensor in original.items():

@@ -215,7 +215,7 @@ def hf_to_megatron(state: Mapping[str, torch.Tensor], layout: WeightLayout | Non
     layout = _layout(layout, num_attention_heads, num_query_groups)
     heads, groups = layout.num_attention_heads, layout.num_query_groups
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}  # a buffer, not a weight
-    if layout.tied_embeddings and _OUTPUT[1] in state:  # some tied checkpoints still store the head: it must be the embedding
+    if layout.tied_embeddings and _OUTPUT[1] in state:  # some tied checkpoints store the head: it must be the embedding
         if not torch.equal(state[_OUTPUT[1]], state[_GLOBAL[0][1]]):
             raise WeightMappingError(f"tie_word_embeddings is set but {_OUTPUT[1]} differs from {_GLOBAL[0][1]}")
         state.pop(_OUTPUT[1])

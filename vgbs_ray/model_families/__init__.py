@@ -43,5 +43,5 @@ def model_fields_from_hf_config(hf: Mapping[str, Any], where: str) -> dict[str, 
     return dict(family.read_hf_config(HFConfigReader(hf, where)), family=family.name)
 
 
-__all__ = ["FAMILIES", "HFConfigReader", "ModelFamily", "RopeScaling", "WeightLayout", "family_for_hf_config", "get_family",
-           "model_fields_from_hf_config"]
+__all__ = ["FAMILIES", "HFConfigReader", "ModelFamily", "RopeScaling", "WeightLayout", "family_for_hf_config",
+           "get_family", "model_fields_from_hf_config"]
