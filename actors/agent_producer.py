@@ -142,6 +142,8 @@ class AgentProducerReport:
     """Prompts a worker is answering at the time of the report."""
     awaiting_engine: int
     """Of those: prompts with a request at the engines at the time of the report."""
+    awaiting_requests: int
+    """Their requests at the engines (a group's members each send their own)."""
     cursor: dict
 
 
@@ -275,7 +277,8 @@ class AgentProducer:
             mean_reward=self._reward_sum / count if count else None,
             agent_metrics={k: v / count for k, v in self._metric_sums.items()} if count else {},
             stopped=self._stop.is_set(), in_flight=len(self._working),
-            awaiting_engine=len(self._awaiting_engine), cursor=self.cursor())
+            awaiting_engine=len(self._awaiting_engine), awaiting_requests=sum(self._awaiting_engine.values()),
+            cursor=self.cursor())
 
     # -- workers -----------------------------------------------------------------------
 

@@ -48,9 +48,9 @@ class StandInEngine:
         if self.fail_after_calls is not None and self.calls > self.fail_after_calls:
             raise RuntimeError("stand-in engine failure")
         if not self.release.is_set():
-            self.held += 1
+            self.held += len(prompts)
             await self.release.wait()
-            self.held -= 1
+            self.held -= len(prompts)
         out = []
         for prompt, sampling in zip(prompts, samplings):
             prompt = np.asarray(prompt, dtype=np.int64)
@@ -66,6 +66,7 @@ class StandInEngine:
         return self.policy_version
 
     def waiting(self) -> int:
+        """Requests (prompts) held now."""
         return self.held
 
     def hold(self) -> None:
@@ -89,7 +90,8 @@ def held_rollouts(scheduler) -> dict:
     return ray.get(scheduler.stats.remote(include_rollouts=True), timeout=30).rollout_states or {}
 
 
-def wait_until(condition, what: str, timeout_s: float = 60) -> None:
+def wait_until(condition, what: str, timeout_s: float = 300) -> None:
+    """Poll `condition` until it holds; the deadline only guards against a hang (a loaded machine is slow)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, what
@@ -146,10 +148,17 @@ def test_stop_abandons_groups_in_flight_and_a_resumed_producer_pushes_each_promp
     engine = StandInEngine.remote(policy_version=0)
     client = EngineClient([engine], ["stand-in"])
     actor, run = start_agent_producer(0, producer_config(), scheduler, client, PromptSpec(**DIGITS, seed=9))
-    wait_until(lambda: len(held_rollouts(scheduler)) >= 5 * 4, "the producer pushed fewer than five groups in 60 s")
+    wait_until(lambda: len(held_rollouts(scheduler)) >= 5 * 4, "the producer pushed fewer than five groups")
     ray.get(engine.hold.remote(), timeout=30)  # the next groups stay in flight
-    wait_until(lambda: ray.get(actor.report.remote(), timeout=30).awaiting_engine == 3,
-               "three groups never waited on the engine together")
+
+    def three_groups_held() -> bool:
+        # The engine first: a request it holds stays awaited until go(), so equal counts read in this order mean
+        # every request the producer awaits is held (none sent before hold() is still being answered).
+        held = ray.get(engine.waiting.remote(), timeout=30)
+        report = ray.get(actor.report.remote(), timeout=30)
+        return report.awaiting_engine == 3 and report.awaiting_requests == held
+
+    wait_until(three_groups_held, "three groups never waited on the engine together, all held")
     stopping = actor.stop.remote()
     wait_until(lambda: ray.get(actor.report.remote(), timeout=30).stopped, "stop() did not begin")
     ray.get(engine.go.remote(), timeout=30)
