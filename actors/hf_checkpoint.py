@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints (Llama, Qwen2, Qwen3) in and out of the Megatron policy, for any TP size.
+"""Hugging Face checkpoints (Llama, Qwen2, Qwen3, Qwen3-MoE) in and out of the Megatron policy, for any TP size.
 
     config = model_config_from_hf(path)                  # ModelConfig from config.json (its family's reader)
     load_hf_weights(model, read_hf_weights(path), config) # this rank's TP shards of every tensor

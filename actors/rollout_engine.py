@@ -281,10 +281,9 @@ class RolloutEngine:
         return [WeightLoad(engine=self.name, policy_version=policy_version, load_time_s=time.perf_counter() - start,
                            num_bytes=sum(np.asarray(a).nbytes for a in weights.values()))]
 
-
     def _restart_with(self, tensors: list, policy_version: int) -> None:
-        """A new LLM from this version's weights, written beside the engine's start checkpoint (its config.json
-        and tokenizer files); the previous version's files are removed once the new engine holds its weights."""
+        """A new LLM from this version's weights, written to a temporary directory with the start checkpoint's
+        config.json and tokenizer files; the previous version's directory is removed once the new LLM is up."""
         import gc
         import shutil
         import tempfile

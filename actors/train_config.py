@@ -32,7 +32,7 @@ class ModelConfig:
     """
 
     family: str = "llama"
-    """A registered model family (HF `model_type`): 'llama', 'qwen2' or 'qwen3'."""
+    """A registered model family (HF `model_type`): 'llama', 'qwen2', 'qwen3' or 'qwen3_moe' (docs/models.md)."""
     num_layers: int = 2
     hidden_size: int = 128
     num_attention_heads: int = 4
