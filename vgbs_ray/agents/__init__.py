@@ -16,8 +16,8 @@ from vgbs_ray.agents.context import RolloutContext
 from vgbs_ray.agents.generation import Generation, RequestTooLongError, SamplingConfig
 from vgbs_ray.agents.loading import load_agent, resolve
 from vgbs_ray.agents.rollout import DROP_REASONS, Agent, AgentResult, GroupOutcome, run_group
-from vgbs_ray.agents.session import ChatSession, Segment, SessionError, TokenSession
+from vgbs_ray.agents.session import ChatSession, Segment, SessionError, TextSession, TokenSession
 
 __all__ = ["Agent", "AgentResult", "ChatSession", "DROP_REASONS", "Generation", "GroupOutcome", "RequestTooLongError",
-           "RolloutContext", "SamplingConfig", "Segment", "SessionError", "TokenSession", "load_agent", "resolve",
-           "run_group"]
+           "RolloutContext", "SamplingConfig", "Segment", "SessionError", "TextSession", "TokenSession", "load_agent",
+           "resolve", "run_group"]

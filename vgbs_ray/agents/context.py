@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any, Awaitable, Callable, Hashable, Sequence
 
 from vgbs_ray.agents.generation import Generation, SamplingConfig
-from vgbs_ray.agents.session import ChatSession, SessionError, TokenSession
+from vgbs_ray.agents.session import ChatSession, SessionError, TextSession, TokenSession
 
 EngineGenerate = Callable[[Sequence[int], SamplingConfig], Awaitable[Generation]]
 
@@ -44,6 +44,9 @@ class RolloutContext:
         """What `generate` uses when given no SamplingConfig (the job's `closed_loop.sampling`)."""
         self.seed = seed
         """A seed distinct per rollout (None: unseeded); requests without their own seed derive from it."""
+        self.endpoint = None
+        """The rollout's session on the job's OpenAI-compatible endpoint (`EndpointSession`: base_url, api_key,
+        reward_url) when the job serves one (closed_loop.endpoint.enabled), else None."""
         self._engine_generate = engine_generate
         self._sessions: list[TokenSession | ChatSession] = []
         self._requests = 0
@@ -70,6 +73,12 @@ class RolloutContext:
              chat_template_kwargs: dict[str, Any] | None = None) -> ChatSession:
         """A chat session rendered with the checkpoint's tokenizer and chat template (see `ChatSession`)."""
         session = ChatSession(self, self.tokenizer, messages, tools=tools, chat_template_kwargs=chat_template_kwargs)
+        self._sessions.append(session)
+        return session
+
+    def text_session(self) -> TextSession:
+        """A session fed whole texts that extend each other (see `TextSession`; the endpoint's branches)."""
+        session = TextSession(self, self.tokenizer)
         self._sessions.append(session)
         return session
 

@@ -25,6 +25,8 @@ rendering: a new sample under the same rollout id (`ChatSession.restarts` counts
 
 from __future__ import annotations
 
+import asyncio
+import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -112,57 +114,77 @@ class TokenSession:
         return [segment.to_row() for segment in self.segments if segment.versions]
 
 
-class ChatSession:
-    """A conversation rendered with the tokenizer's chat template, incrementally (see module docstring).
+class TextSession:
+    """Text in, held as token ids: the incremental rendering behind `ChatSession` and the endpoint.
 
-    `messages` is the agent's to read and edit between turns (append tool results, user turns, or
-    replace it wholesale for a compaction); `generate` appends the assistant's reply to it.
+    `complete(text)` samples a response after `text`, which must extend what the session holds
+    (its earlier texts and the engine's outputs, decoded): only the new suffix is tokenized and
+    appended (mask 0). When `text` does not extend it, the current segment is closed and a new one
+    starts from the whole of `text` (a new sample of the rollout; `restarts` counts them).
     """
 
-    def __init__(self, context: "RolloutContext", tokenizer, messages: Sequence[dict] = (), *,
-                 tools: Sequence[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None):
+    def __init__(self, context: "RolloutContext", tokenizer):
         if tokenizer is None:
             raise SessionError(f"rollout {context.rollout_id!r}: a chat session needs the checkpoint's tokenizer, and "
                                "this job has none (set closed_loop.tokenizer_dir, or use ctx.token_session)")
         self._context = context
         self._tokenizer = tokenizer
-        self.messages: list[dict] = [dict(m) for m in messages]
-        self._tools = list(tools) if tools else None
-        self._template_kwargs = dict(chat_template_kwargs or {})
         self._tokens: TokenSession | None = None
         self._text: str | None = None
         """The text the current segment's ids stand for: the renderings and generations so far."""
         self.restarts = 0
-        """Times a rendering did not extend the held history, so a new segment (sample) began."""
+        """Times a text did not extend the held history, so a new segment (sample) began."""
 
     @property
     def token_ids(self) -> list[int]:
         return [] if self._tokens is None else self._tokens.token_ids
 
-    def render(self, messages: Sequence[dict] | None = None) -> str:
-        """The chat template's text for `messages` (default: the session's) with the generation prompt."""
-        return self._tokenizer.apply_chat_template(
-            list(self.messages if messages is None else messages), tools=self._tools, tokenize=False,
-            add_generation_prompt=True, **self._template_kwargs)
+    def extends(self, text: str) -> bool:
+        """Whether `text` continues this session's held history (a `complete` would append, not restart)."""
+        return self._text is not None and text.startswith(self._text)
 
-    async def generate(self, sampling: SamplingConfig | None = None) -> str:
-        """The assistant's next reply: renders the messages, appends only the new suffix's tokens
-        (or starts a new segment, see module docstring), samples, appends the reply to `messages`."""
-        self._sync_tokens(self.render())
-        generation = await self._tokens.generate(sampling)
+    async def complete(self, text: str, sampling: SamplingConfig | None = None) -> Generation:
+        """A response sampled after `text` (see class docstring)."""
+        ((_, generation),) = await self.complete_n(text, sampling, 1)
+        return generation
+
+    async def complete_n(self, text: str, sampling: SamplingConfig | None, n: int
+                         ) -> list[tuple["TextSession", Generation]]:
+        """`n` responses sampled after `text`, from the same ids: the first continues this session, each other
+        one a fork of it (`fork`); returns each with the session that holds it."""
+        self._sync_tokens(text)
+        sessions = [self] + [self.fork() for _ in range(n - 1)]
+        generations = await asyncio.gather(*[session._generate(sampling) for session in sessions])
+        return list(zip(sessions, generations))
+
+    def fork(self) -> "TextSession":
+        """A new session of the same rollout whose prompt is everything this one holds (all context, mask 0),
+        so tokens generated here are trained once, in this session's sample."""
+        forked = copy.copy(self)
+        forked._tokens = self._context.token_session(self._tokens.token_ids)
+        forked.restarts = 0
+        return forked
+
+    def reply_text(self, generation: Generation, sampling: SamplingConfig | None = None) -> str:
+        """The reply as an assistant message holds it: the response without the end-of-turn stop token
+        (the template writes that itself, so the next rendering extends the held ids)."""
         response = [int(t) for t in generation.response_token_ids]
-        self._text += self._tokenizer.decode(response, skip_special_tokens=False)
-        if generation.finish_reason == "stop" and response and response[-1] in self._stop_ids(sampling):
-            response = response[:-1]  # the template writes the end-of-turn token itself
-        content = self._tokenizer.decode(response, skip_special_tokens=False)
-        self.messages.append({"role": "assistant", "content": content})
-        return content
+        stop_ids = set((sampling or self._context.default_sampling).stop_token_ids)
+        if generation.finish_reason == "stop" and response and response[-1] in stop_ids:
+            response = response[:-1]
+        return self._tokenizer.decode(response, skip_special_tokens=False)
 
     def samples(self) -> list[dict]:
         return [] if self._tokens is None else self._tokens.samples()
 
+    async def _generate(self, sampling: SamplingConfig | None) -> Generation:
+        generation = await self._tokens.generate(sampling)
+        self._text += self._tokenizer.decode([int(t) for t in generation.response_token_ids],
+                                             skip_special_tokens=False)
+        return generation
+
     def _sync_tokens(self, text: str) -> None:
-        if self._tokens is not None and text.startswith(self._text):
+        if self.extends(text):
             suffix = text[len(self._text):]
             if suffix:
                 self._tokens.append(self._encode(suffix))
@@ -178,6 +200,36 @@ class ChatSession:
     def _encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
-    def _stop_ids(self, sampling: SamplingConfig | None) -> set[int]:
-        sampling = sampling or self._context.default_sampling
-        return set(sampling.stop_token_ids)
+
+class ChatSession(TextSession):
+    """A conversation rendered with the tokenizer's chat template, incrementally (see module docstring).
+
+    `messages` is the agent's to read and edit between turns (append tool results, user turns, or
+    replace it wholesale for a compaction); `generate` appends the assistant's reply to it.
+    """
+
+    def __init__(self, context: "RolloutContext", tokenizer, messages: Sequence[dict] = (), *,
+                 tools: Sequence[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None):
+        super().__init__(context, tokenizer)
+        self.messages: list[dict] = [dict(m) for m in messages]
+        self._tools = list(tools) if tools else None
+        self._template_kwargs = dict(chat_template_kwargs or {})
+
+    def fork(self) -> "ChatSession":
+        forked = super().fork()
+        forked.messages = [dict(m) for m in self.messages]
+        return forked
+
+    def render(self, messages: Sequence[dict] | None = None, tools: Sequence[dict] | None = None) -> str:
+        """The chat template's text for `messages` (default: the session's) with the generation prompt."""
+        return self._tokenizer.apply_chat_template(
+            list(self.messages if messages is None else messages), tools=tools or self._tools, tokenize=False,
+            add_generation_prompt=True, **self._template_kwargs)
+
+    async def generate(self, sampling: SamplingConfig | None = None) -> str:
+        """The assistant's next reply: renders the messages, appends only the new suffix's tokens
+        (or starts a new segment, see module docstring), samples, appends the reply to `messages`."""
+        generation = await self.complete(self.render(), sampling)
+        content = self.reply_text(generation, sampling)
+        self.messages.append({"role": "assistant", "content": content})
+        return content
