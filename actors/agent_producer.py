@@ -38,6 +38,7 @@ from typing import Any
 
 import ray
 
+from actors.agent_endpoint import AgentEndpoint, listen_address
 from actors.rollout_engine import EngineError
 from vgbs_ray.agents import RequestTooLongError, RolloutContext, SamplingConfig, load_agent, resolve, run_group
 from vgbs_ray.errors import ConfigError
@@ -95,6 +96,11 @@ class AgentProducerConfig:
     """Prompts this producer answers before `run` returns; None = until the source ends or `stop()`."""
     seed: int = 0
     """Sampling seeds derive from it, the prompt position and the member."""
+    endpoint_host: str | None = None
+    """'loopback' or 'node': serve the OpenAI-compatible endpoint there (actors/agent_endpoint.py), every rollout
+    with its own session (ctx.endpoint); None: no endpoint."""
+    endpoint_token: str | None = None
+    """The token every endpoint request must carry (the job makes one per run)."""
     admit_retry_s: float = 0.05
 
     def __post_init__(self):
@@ -105,6 +111,8 @@ class AgentProducerConfig:
         if self.timeout_s <= 0 or self.admit_retry_s <= 0:
             raise ConfigError(f"AgentProducerConfig: timeout_s and admit_retry_s must be > 0 seconds, got "
                               f"{self.timeout_s}, {self.admit_retry_s}")
+        if self.endpoint_host is not None and not self.endpoint_token:
+            raise ConfigError("AgentProducerConfig: an endpoint (endpoint_host) needs endpoint_token")
         if self.max_prompts is not None and self.max_prompts < 0:
             raise ConfigError(f"AgentProducerConfig.max_prompts must be >= 0 or None, got {self.max_prompts}")
 
@@ -140,6 +148,8 @@ class AgentProducerReport:
     stopped: bool
     in_flight: int
     """Prompts a worker is answering at the time of the report."""
+    endpoint_refused: int
+    """Endpoint requests answered with a 4xx (0 without an endpoint)."""
     awaiting_engine: int
     """Of those: prompts with a request at the engines at the time of the report."""
     awaiting_requests: int
@@ -233,12 +243,14 @@ class AgentProducer:
         self._unreported = (0.0, 0)
         self._running = False
         self._finished = asyncio.Event()
+        self._endpoint: AgentEndpoint | None = None
 
     # -- the actor's API -----------------------------------------------------------------
 
     async def run(self) -> AgentProducerReport:
         """Run and push groups until `stop()`, the prompt source ends, or `max_prompts`."""
         self._running = True
+        await self.endpoint_address()
         workers = [asyncio.create_task(self._worker()) for _ in range(self._config.groups_in_flight)]
         try:
             await asyncio.gather(*workers)
@@ -251,7 +263,19 @@ class AgentProducer:
         finally:
             self._running = False
             self._finished.set()
+            if self._endpoint is not None:
+                await self._endpoint.stop()
         return self.report()
+
+    async def endpoint_address(self) -> str | None:
+        """The endpoint's `http://host:port` (started on first call), or None when this producer serves none."""
+        if self._config.endpoint_host is None:
+            return None
+        if self._endpoint is None:
+            self._endpoint = AgentEndpoint(host=listen_address(self._config.endpoint_host),
+                                           token=self._config.endpoint_token)
+            await self._endpoint.start()
+        return self._endpoint.address
 
     async def stop(self) -> AgentProducerReport:
         """Stop: workers return at their next await; unpushed groups are abandoned (and the scheduler told)."""
@@ -277,6 +301,7 @@ class AgentProducer:
             mean_reward=self._reward_sum / count if count else None,
             agent_metrics={k: v / count for k, v in self._metric_sums.items()} if count else {},
             stopped=self._stop.is_set(), in_flight=len(self._working),
+            endpoint_refused=self._endpoint.refused if self._endpoint is not None else 0,
             awaiting_engine=len(self._awaiting_engine), awaiting_requests=sum(self._awaiting_engine.values()),
             cursor=self.cursor())
 
@@ -323,8 +348,13 @@ class AgentProducer:
                                    default_sampling=self._sampling,
                                    seed=(config.seed * 1_000_003 + position) * 1_024 + m)
                     for m, rid in enumerate(ids)]
-        outcome = await run_group(self._agent, row, contexts, timeout_s=config.timeout_s,
-                                  max_sequence_length=config.max_sequence_length, fatal_errors=(EngineError,))
+        sessions = [self._endpoint.open(ctx) for ctx in contexts] if self._endpoint is not None else []
+        try:
+            outcome = await run_group(self._agent, row, contexts, timeout_s=config.timeout_s,
+                                      max_sequence_length=config.max_sequence_length, fatal_errors=(EngineError,))
+        finally:
+            for session in sessions:
+                self._endpoint.close(session)
         if self._stop.is_set():
             return False
         if outcome.failure is not None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -39,7 +40,6 @@ from actors.weight_sync import publish_weights
 log = logging.getLogger("vgbs.job")
 
 
-
 def read_dataset_rows(dataset) -> list[dict]:
     """Every row of the `closed_loop.dataset` file(s), in file order (Ray Data, order preserved)."""
     from ray import data as ray_data
@@ -48,6 +48,18 @@ def read_dataset_rows(dataset) -> list[dict]:
     context = ray_data.DataContext.get_current()
     context.execution_options.preserve_order = True
     return [dict(row) for row in read(dataset.path).iter_rows()]
+
+
+def endpoint_token(output_dir: str) -> str:
+    """A new token for this run's agent endpoint, also written to <output_dir>/endpoint_token (mode 600) for
+    agents started outside the job."""
+    token = secrets.token_hex(32)
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "endpoint_token")
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(token)
+    return token
 
 
 def prompt_spec(config) -> PromptSpec:
@@ -94,12 +106,15 @@ class ClosedLoop:
         loop = cls(engines=RolloutEnginePool(loop_config.engines, model_dir, policy_version=policy_version))
         try:
             client = loop.engines.client()
+            endpoint = loop_config.endpoint
             producer_config = AgentProducerConfig(
                 agent=loop_config.agent, agent_kwargs=dict(loop_config.agent_kwargs), group_size=loop_config.group_size,
                 groups_in_flight=loop_config.groups_in_flight, num_producers=loop_config.num_producers,
                 sampling=loop_config.sampling, timeout_s=loop_config.timeout_s,
                 tokenizer_dir=model_dir if loop_config.tokenizer_dir is not None else None,
-                max_sequence_length=config.train.model.max_position_embeddings, seed=loop_config.seed)
+                max_sequence_length=config.train.model.max_position_embeddings, seed=loop_config.seed,
+                endpoint_host=endpoint.host if endpoint.enabled else None,
+                endpoint_token=endpoint_token(config.run.output_dir) if endpoint.enabled else None)
             for index in range(loop_config.num_producers):
                 cursor = cursors[index] if cursors and index < len(cursors) else None
                 loop.producers.append(start_agent_producer(index, producer_config, scheduler, client, prompts,

@@ -100,6 +100,23 @@ DIGIT_VOCAB_SIZE = 17
 
 
 @dataclass(frozen=True, kw_only=True)
+class EndpointConfig:
+    """The OpenAI-compatible endpoint agents can call (docs/agents.md, "Agents behind an OpenAI client")."""
+
+    enabled: bool = False
+    """Serve /v1/chat/completions and /v1/completions from every producer; each rollout gets its own session
+    (ctx.endpoint.base_url). The token is made per job, written to <output_dir>/endpoint_token (mode 600)."""
+    host: Literal["loopback", "node"] = "loopback"
+    """"loopback": 127.0.0.1 (agents run in the producer's process or node); "node": the node's private address,
+    for agents elsewhere in the cluster. Never every interface."""
+
+    def __post_init__(self):
+        if self.host not in ("loopback", "node"):
+            raise ConfigError(f"closed_loop.endpoint.host={self.host!r} must be 'loopback' or 'node' (the node's "
+                              "private address); the endpoint never listens on every interface")
+
+
+@dataclass(frozen=True, kw_only=True)
 class DatasetConfig:
     """Prompt rows from a file, read with Ray Data (any filesystem it reads: local, s3://, gs://, ...)."""
 
@@ -177,6 +194,8 @@ class ClosedLoopConfig:
     """Rollouts per prompt row (GRPO group)."""
     timeout_s: float = 300.0
     """Seconds one rollout (one agent call) may run; past it the group is dropped as `agent_timeout`."""
+    endpoint: EndpointConfig = field(default_factory=EndpointConfig)
+    """An OpenAI-compatible endpoint over the rollouts, for agents written against an OpenAI client."""
     seed: int = 0
     """Prompt generation and sampling seeds derive from it."""
 

@@ -1,0 +1,90 @@
+"""Agents written against the OpenAI client, trained through the job's endpoint.
+
+    # my_agents/solver.py: ordinary OpenAI-client code; only base_url and api_key come from the job
+    from openai import OpenAI
+
+    def run(row: dict, base_url: str, api_key: str) -> float:
+        client = OpenAI(base_url=base_url, api_key=api_key)
+        reply = client.chat.completions.create(model="policy", messages=[...], max_tokens=64)
+        return 1.0 if row["answer"] in reply.choices[0].message.content else 0.0
+
+    --set closed_loop.endpoint.enabled=true
+    --set closed_loop.agent=vgbs_ray.agents.openai_agent:make_agent
+    --set closed_loop.agent_kwargs='{run: my_agents.solver:run}'
+
+`run(row, base_url, api_key, **run_kwargs)` may be sync (it runs in a thread, so blocking
+clients work) or async. It returns the rollout's reward (a float or an `AgentResult`), or None
+after reporting the reward itself with `report_reward` (or `POST {reward_url}` from any process
+or language). The rollout ends, and its samples are pushed, when the reward is known: returned
+or reported, whichever comes first. `base_url` names the rollout's session, so everything sent
+to it belongs to this rollout (see vgbs_ray/agents/openai_protocol.py for what is trained).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import json
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+from vgbs_ray.agents.generation import RequestTooLongError
+from vgbs_ray.agents.loading import resolve
+from vgbs_ray.agents.rollout import AgentResult
+from vgbs_ray.errors import ConfigError
+
+
+def reward_url(base_url: str) -> str:
+    """The reward report's URL for a session's base_url (`.../sessions/{session}/v1` -> `.../reward`)."""
+    return base_url.rstrip("/").removesuffix("/v1") + "/reward"
+
+
+def report_reward(base_url: str, api_key: str, reward: float, metrics: dict | None = None, timeout_s: float = 30):
+    """Report a rollout's reward to its session (blocking, standard library only)."""
+    request = urllib.request.Request(
+        reward_url(base_url), method="POST", data=json.dumps({"reward": reward, "metrics": metrics or {}}).encode(),
+        headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+        return json.loads(answer.read())
+
+
+def make_agent(run: str, run_kwargs: dict | None = None, threads: int = 256):
+    """The agent running `run` (an import path, see module docstring) for each rollout; a sync `run` gets
+    one of `threads` threads (at least groups_in_flight x group_size, so no rollout waits for one)."""
+    target = resolve(run, "closed_loop.agent_kwargs.run")
+    kwargs = dict(run_kwargs or {})
+    pool = None if inspect.iscoroutinefunction(target) else ThreadPoolExecutor(threads, thread_name_prefix="agent")
+
+    async def agent(row: dict, ctx) -> AgentResult:
+        if ctx.endpoint is None:
+            raise ConfigError("vgbs_ray.agents.openai_agent needs the job's endpoint: set "
+                              "closed_loop.endpoint.enabled=true")
+        session = ctx.endpoint
+        if inspect.iscoroutinefunction(target):
+            called = target(row, session.base_url, session.api_key, **kwargs)
+        else:
+            called = asyncio.get_running_loop().run_in_executor(
+                pool, functools.partial(target, row, session.base_url, session.api_key, **kwargs))
+        running = asyncio.ensure_future(called)
+        reported = asyncio.ensure_future(session.rollout.result())
+        try:
+            await asyncio.wait([running, reported], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (running, reported):
+                if not task.done():
+                    task.cancel()  # a sync run's thread goes on; its later requests get 404 (session ended)
+        rollout = session.rollout
+        if rollout.fatal_error is not None:
+            raise rollout.fatal_error  # the engines failed: the producer's error, not the agent's
+        if rollout.failure is not None:
+            raise RequestTooLongError(rollout.failure[1])  # lost as too_long, like a Python agent's rollout
+        if rollout.reported:
+            return await rollout.result()
+        returned = running.result()  # the agent's own exception, if it raised
+        if returned is None:
+            raise RuntimeError(f"{run} returned None and reported no reward (return it, or POST it to "
+                               f"{session.reward_url})")
+        return returned
+
+    return agent
