@@ -270,3 +270,21 @@ def test_an_openai_client_function_runs_as_a_group_through_the_endpoint(endpoint
 def test_the_endpoint_refuses_every_interface():
     with pytest.raises(ConfigError, match="never listens on every interface"):
         listen_address("0.0.0.0")
+
+
+def test_openai_sampling_fields_map_onto_the_engines_sampling_and_bad_values_name_the_field():
+    from vgbs_ray.agents.openai_protocol import ProtocolError, parse_sampling
+
+    default = SamplingConfig(max_tokens=16, temperature=1.0, seed=3, stop_token_ids=(END,))
+    sampling, n = parse_sampling({"max_tokens": 5, "temperature": 0.0, "top_p": 0.5, "seed": 9, "stop": "</a>",
+                                  "n": 3}, default)
+    assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.seed, sampling.stop, n) == (
+        5, 0.0, 0.5, 9, ("</a>",), 3)
+    assert sampling.stop_token_ids == (END,)  # the tokenizer's end of turn still ends a reply
+    assert parse_sampling({"max_completion_tokens": 7}, default)[0].max_tokens == 7
+    assert parse_sampling({}, default) == (default, 1)
+    for field, value in (("max_tokens", 0), ("temperature", 3.0), ("top_p", 0), ("seed", -1), ("n", 17),
+                         ("stop", ["a", "b", "c", "d", "e"]), ("n", True)):
+        with pytest.raises(ProtocolError) as refused:
+            parse_sampling({field: value}, default)
+        assert refused.value.param == field and refused.value.status == 400
