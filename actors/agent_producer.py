@@ -148,12 +148,12 @@ class AgentProducerReport:
     stopped: bool
     in_flight: int
     """Prompts a worker is answering at the time of the report."""
-    endpoint_refused: int
-    """Endpoint requests answered with a 4xx (0 without an endpoint)."""
     awaiting_engine: int
     """Of those: prompts with a request at the engines at the time of the report."""
     awaiting_requests: int
     """Their requests at the engines (a group's members each send their own)."""
+    endpoint_refused: int
+    """Endpoint requests answered with a 4xx (0 without an endpoint)."""
     cursor: dict
 
 

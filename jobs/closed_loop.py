@@ -57,6 +57,7 @@ def endpoint_token(output_dir: str) -> str:
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, "endpoint_token")
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(descriptor, 0o600)  # a file left by an earlier run keeps its mode otherwise
     with os.fdopen(descriptor, "w") as file:
         file.write(token)
     return token

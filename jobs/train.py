@@ -375,7 +375,7 @@ def closed_loop_summary(trained: list[StepLine], reports: list, loop: ClosedLoop
     sampled = [line.sampled_reward for line in trained]
     counts = {key: sum(getattr(r, key) for r in reports)
               for key in ("groups", "rollouts", "samples", "deferred_retries", "rejected_samples",
-                          "abandoned_rollouts", "not_admitted", "skipped_known_groups")}
+                          "abandoned_rollouts", "not_admitted", "skipped_known_groups", "endpoint_refused")}
     failed: dict[str, int] = {}
     for report in reports:
         for reason, groups in report.failed_groups.items():
