@@ -1,6 +1,7 @@
 """The producer: runs a user's agent in GRPO groups through the engine pool and pushes the samples.
 
     producer, run_ref = start_agent_producer(0, config, scheduler, engines.client(), prompts, cursor=None)
+    # engines=None: a job without rollout engines (agents that make their samples: ctx.add_sample)
     ray.get(producer.cursor.remote())       # {"next_index": k}: resume from here
     ray.get(producer.stop.remote())         # in-flight groups are abandoned (scheduler.abandon)
 
@@ -10,6 +11,9 @@ file's rows or a generator named by import path; producer i of P answers positio
 ask the scheduler to admit the group's rollout ids at the engines' current policy version, run
 the group (`vgbs_ray.agents.run_group`: `group_size` agent calls on the row, each with its own
 `RolloutContext`), and push the group's samples in one `submit`, resubmitting what was deferred.
+A share of groups (`sample_push_fraction`) is pushed one sample per `submit` instead, the
+members' samples interleaved and other groups' pushes in between: the push API's
+sibling-by-sibling path, which the scheduler must complete across calls.
 A group an agent failed (raised, hung past `timeout_s`, non-finite reward, too long) is
 reported with `fail_rollouts(ids, reason)`: the ledger counts it dropped by that reason, the
 producer goes on. Uniform-reward groups are pushed too: the scheduler's dynamic-sampling filter
@@ -24,8 +28,12 @@ Invariants:
   (the scheduler rejects a re-pushed duplicate; `admit` names the ids it holds and they are skipped).
 - `cursor()` is the oldest of this producer's own positions drawn but not yet settled (pushed or
   failed), or the next undrawn one.
-- A group is pushed whole or not at all; a stopped producer abandons its unpushed groups and
-  tells the scheduler (`abandon`), so admitted-but-never-pushed rollouts hold no staleness budget.
+- A group is pushed whole or not at all (but for `sample_push_fraction`'s groups, whose rollouts
+  a stopped or killed producer may leave partly pushed: they end `incomplete_rollout`); a stopped
+  producer abandons its unpushed groups and tells the scheduler (`abandon`), so
+  admitted-but-never-pushed rollouts hold no staleness budget.
+- Without engines, groups are admitted at policy version 0: such a job sets no staleness bound
+  (its samples carry no policy version).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import ray
 
 from actors.agent_endpoint import AgentEndpoint, listen_address
@@ -45,6 +54,9 @@ from vgbs_ray.errors import ConfigError
 from vgbs_ray.prompt_source import DatasetPrompts, GeneratedPrompts, producer_positions, source_length
 
 log = logging.getLogger("vgbs.producer")
+
+PRODUCER_NAME = "vgbs-producer-{}"
+"""Actor name of the job's producer i (one job per cluster namespace; a resumed job reuses the names)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +73,8 @@ class PromptSpec:
     """Import path of `make(seed, **kwargs) -> (position -> row)`."""
     generator_kwargs: dict = field(default_factory=dict)
     seed: int = 0
+    num_prompts: int | None = None
+    """Source positions answered, over all producers (None: all of a dataset's, an endless generator's)."""
 
     def build(self):
         if self.generator is not None:
@@ -69,6 +83,13 @@ class PromptSpec:
         rows = ray.get(self.rows) if isinstance(self.rows, ray.ObjectRef) else self.rows
         return DatasetPrompts(rows, epochs=self.epochs, shuffle_seed=self.shuffle_seed, keys=self.keys,
                               name="closed_loop.dataset")
+
+    def length(self, source) -> int | None:
+        """Positions of `source` the producers answer (None: endless)."""
+        length = source_length(source)
+        if self.num_prompts is None:
+            return length
+        return self.num_prompts if length is None else min(length, self.num_prompts)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,6 +122,10 @@ class AgentProducerConfig:
     with its own session (ctx.endpoint); None: no endpoint."""
     endpoint_token: str | None = None
     """The token every endpoint request must carry (the job makes one per run)."""
+    sample_push_fraction: float = 0.0
+    """Share of groups pushed one sample per submit call (see module docstring). Their rollouts are pushed
+    again whole by a resumed producer and the scheduler rejects the samples it holds, so the agent must
+    give the same samples on every run (the synthetic agent does)."""
     admit_retry_s: float = 0.05
 
     def __post_init__(self):
@@ -113,6 +138,9 @@ class AgentProducerConfig:
                               f"{self.timeout_s}, {self.admit_retry_s}")
         if self.endpoint_host is not None and not self.endpoint_token:
             raise ConfigError("AgentProducerConfig: an endpoint (endpoint_host) needs endpoint_token")
+        if not 0 <= self.sample_push_fraction <= 1:
+            raise ConfigError(f"AgentProducerConfig.sample_push_fraction must be in [0, 1], got "
+                              f"{self.sample_push_fraction}")
         if self.max_prompts is not None and self.max_prompts < 0:
             raise ConfigError(f"AgentProducerConfig.max_prompts must be >= 0 or None, got {self.max_prompts}")
 
@@ -155,6 +183,12 @@ class AgentProducerReport:
     endpoint_refused: int
     """Endpoint requests answered with a 4xx (0 without an endpoint)."""
     cursor: dict
+
+
+def pushes_samples_one_by_one(seed: int, position: int, sample_push_fraction: float) -> bool:
+    """Whether the group at this prompt position is pushed one sample per call: a pure function, so a
+    resumed producer pushes each group as the first run did."""
+    return sample_push_fraction > 0 and np.random.default_rng([seed, position, 17]).random() < sample_push_fraction
 
 
 class _Batcher:
@@ -225,7 +259,7 @@ class AgentProducer:
         if eos is not None and not self._sampling.stop_token_ids:  # the tokenizer's end of turn ends a reply
             self._sampling = replace(self._sampling, stop_token_ids=(int(eos),))
         start = int(cursor["next_index"]) if cursor is not None else 0
-        self._positions = producer_positions(index, config.num_producers, start, source_length(self._source))
+        self._positions = producer_positions(index, config.num_producers, start, prompts.length(self._source))
         self._next_local = start
         self._drawn = 0
         self._unsettled: set[int] = set()  # own indices drawn, not yet pushed or failed (abandoned ones stay)
@@ -244,6 +278,9 @@ class AgentProducer:
         self._running = False
         self._finished = asyncio.Event()
         self._endpoint: AgentEndpoint | None = None
+        self._hold_armed = False
+        self._held = False
+        self._partly_pushed: set = set()  # rollouts some but not all of whose samples were pushed
 
     # -- the actor's API -----------------------------------------------------------------
 
@@ -287,6 +324,17 @@ class AgentProducer:
     def cursor(self) -> dict:
         """{"next_index": k}: the oldest own position not yet settled (see module docstring)."""
         return {"next_index": min(self._unsettled, default=self._next_local)}
+
+    def hold_at_next_partial_push(self) -> None:
+        """Fault injection (tests): after the next submit that leaves a rollout partly pushed (a
+        `sample_push_fraction` group), no worker pushes again until `stop()` or the actor is killed;
+        `holding()` then names the partly pushed rollouts (exactly, with `groups_in_flight=1`: other
+        workers' submits already under way may still land)."""
+        self._hold_armed = True
+
+    def holding(self) -> list:
+        """The ids of the partly pushed rollouts while held at a partial push (else [])."""
+        return sorted(self._partly_pushed) if self._held else []
 
     def drain_rewards(self) -> tuple[float, int]:
         """(sum, count) of the rewards of rollouts pushed since the previous call (filtered ones too)."""
@@ -339,11 +387,14 @@ class AgentProducer:
         known = await self._admit(local, ids)
         if known is None:
             return False
-        if len(known) == len(ids):  # a resumed producer: the scheduler holds this group already
+        one_by_one = self._pushes_samples_one_by_one(position)
+        if len(known) == len(ids) and not one_by_one:  # a resumed producer: the scheduler holds this group already
             self._counts["skipped_known_groups"] += 1
             return True
+        generate = self._no_engines if self._engines is None else (
+            lambda ids, sampling: self._generate(local, ids, sampling))
         contexts = [RolloutContext(rollout_id=rid, group_id=key, member=m, group_size=config.group_size,
-                                   engine_generate=lambda ids, sampling: self._generate(local, ids, sampling),
+                                   engine_generate=generate,
                                    tokenizer=self._tokenizer,
                                    default_sampling=self._sampling,
                                    seed=(config.seed * 1_000_003 + position) * 1_024 + m)
@@ -364,8 +415,13 @@ class AgentProducer:
             await self._scheduler.fail_rollouts.remote([rid for rid in ids if rid not in known], reason)
             self._admitted.pop(local, None)
             return True
-        samples = [s for s in outcome.samples if s["rollout_id"] not in known]
-        if not await self._push(samples):
+        if one_by_one:  # a known rollout may be partly pushed: all again, the scheduler rejects what it holds
+            samples = outcome.samples
+            pushed = await self._push_one_by_one(samples)
+        else:
+            samples = [s for s in outcome.samples if s["rollout_id"] not in known]
+            pushed = await self._push(samples)
+        if not pushed:
             return False
         self._admitted.pop(local, None)
         rewards = list(outcome.rewards.values())
@@ -379,6 +435,10 @@ class AgentProducer:
                 self._metric_sums[name] = self._metric_sums.get(name, 0.0) + value
         self._unreported = (self._unreported[0] + sum(rewards), self._unreported[1] + len(rewards))
         return True
+
+    async def _no_engines(self, token_ids, sampling: SamplingConfig):
+        raise EngineError("this job runs no rollout engines (closed_loop.enabled=false): an agent here makes its "
+                          "samples itself (ctx.add_sample); set closed_loop.enabled=true to sample the policy")
 
     async def _generate(self, local: int, token_ids, sampling: SamplingConfig):
         self._awaiting_engine[local] = self._awaiting_engine.get(local, 0) + 1
@@ -403,12 +463,16 @@ class AgentProducer:
         return None
 
     async def _engine_version(self) -> int:
-        """The oldest policy version any engine holds (a rollout may be sampled by any of them)."""
+        """The oldest policy version any engine holds (a rollout may be sampled by any of them); 0 without engines."""
+        if self._engines is None:
+            return 0
         versions = await asyncio.gather(*[e.current_policy_version.remote() for e in self._engines.engines])
         return min(versions)
 
     async def _push(self, samples: list[dict]) -> bool:
         while samples:
+            if self._held:  # hold_at_next_partial_push: until stop() or ray.kill
+                await self._stop.wait()
             if self._stop.is_set():
                 return False
             result = await self._scheduler.submit.remote(samples)
@@ -418,6 +482,30 @@ class AgentProducer:
             self._counts["deferred_retries"] += 1
             samples = [samples[i] for i in result.deferred]
             await self._idle(result.retry_after_s or 0.05)
+        return True
+
+    def _pushes_samples_one_by_one(self, position: int) -> bool:
+        return pushes_samples_one_by_one(self._config.seed, position, self._config.sample_push_fraction)
+
+    async def _push_one_by_one(self, samples: list[dict]) -> bool:
+        """Each sample in its own submit, the members' samples interleaved (sample 0 of every member, then
+        sample 1, ...); holds after a partial push when armed (`hold_at_next_partial_push`)."""
+        total: dict = {}
+        for sample in samples:
+            total[sample["rollout_id"]] = total.get(sample["rollout_id"], 0) + 1
+        pushed = dict.fromkeys(total, 0)
+        for sample in sorted(samples, key=lambda s: s["sample_index"]):  # stable: members stay in order
+            if not await self._push([sample]):
+                return False
+            rid = sample["rollout_id"]
+            pushed[rid] += 1
+            if pushed[rid] < total[rid]:
+                self._partly_pushed.add(rid)
+            else:
+                self._partly_pushed.discard(rid)
+            if self._hold_armed and self._partly_pushed:
+                self._held = True
+            await asyncio.sleep(0)  # other groups' pushes go in between
         return True
 
     async def _idle(self, seconds: float) -> None:
@@ -437,10 +525,12 @@ class AgentProducer:
 
 def start_agent_producer(index: int, config: AgentProducerConfig, scheduler, engines, prompts: PromptSpec, *,
                          cursor: dict | None = None, name: str | None = None):
-    """One AgentProducer actor (num_cpus=0, asyncio) and its `run` ref, as an (actor, ref) pair."""
+    """One AgentProducer actor (num_cpus=0, asyncio) and its `run` ref, as an (actor, ref) pair.
+    `engines`: a RolloutEnginePool client, or None (agents that make their samples themselves)."""
     remote = ray.remote(num_cpus=0, max_concurrency=1000)(AgentProducer)
     actor = remote.options(name=name).remote(index, config, scheduler, engines, prompts, cursor=cursor)
     return actor, actor.run.remote()
 
 
-__all__ = ["AgentProducer", "AgentProducerConfig", "AgentProducerReport", "PromptSpec", "start_agent_producer"]
+__all__ = ["AgentProducer", "AgentProducerConfig", "AgentProducerReport", "PRODUCER_NAME", "PromptSpec",
+           "pushes_samples_one_by_one", "start_agent_producer"]

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_scheduler.py [--quick]
 
-Payload: what the reference producers (`actors/producers.py`) send: batches of sample
+Payload: what producers send (the synthetic agent's shapes, examples/synthetic_agent.py): batches of sample
 dicts with numpy arrays (int64 tokens, int8 loss mask), ~1k tokens each, GRPO groups of
 one-sample rollouts carrying group_id/group_size (the scheduler computes the advantages).
 

@@ -23,11 +23,6 @@ and is regenerated anyway is rejected by the restored scheduler by rule (it know
 nothing is lost and nothing is trained twice. Steps < next_step are trained in the checkpoint's
 model; rollouts of steps emitted or trained after it are untrained in the state and train again
 after the resume (work after the last checkpoint is redone, never double-counted).
-
-The Ray Data source has no cursor (the scheduler reads it, the driver does not see its rows):
-a resumed job sends again only the dataset prompts the checkpoint does not wholly hold
-(`dataset_prompts_to_resend`, pure, in vgbs_ray/resume.py); a rollout of those it already holds
-is rejected as a duplicate.
 """
 
 from __future__ import annotations
@@ -42,10 +37,10 @@ import ray
 
 from actors.scheduler_actor import SchedulerState
 from vgbs_ray.errors import ConfigError
-from vgbs_ray.resume import dataset_prompts_to_resend, ledger_record
+from vgbs_ray.resume import ledger_record
 
 __all__ = [
-    "ResumePoint", "checkpoint_next_step", "checkpoint_root", "dataset_prompts_to_resend", "latest_checkpoint",
+    "ResumePoint", "checkpoint_next_step", "checkpoint_root", "latest_checkpoint",
     "ledger_record", "load_job_state", "load_resume_point", "producer_cursors", "save_job_state",
 ]
 

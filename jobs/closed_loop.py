@@ -1,18 +1,22 @@
-"""The job's closed loop: rollout engines on the policy's weights, agent producers sampling them, weight sync.
+"""The job's rollout source: agent producers, and the rollout engines they sample with their weight sync.
 
     loop = ClosedLoop.start(config, scheduler, group, policy_version=0, cursors=None)
-    loop.producers                     # (actor, run ref) pairs, like the synthetic producers'
+    loop.producers                     # (actor, run ref) pairs
     sync_s = loop.publish(group, v)    # after the v-th optimizer step: export once, engines load async
     loop.restore(group, k)             # after a recovery restored step k's weights: engines go back to v = k
     loop.drain_sampled_reward()        # mean reward of the rollouts pushed since the last call
     loop.shutdown()                    # after the producers stopped
+
+Every job has this one rollout source; `closed_loop.enabled=false` only leaves the engines out
+(`engines` is None, `publish` and `restore` do nothing): its agent makes its samples itself, like
+the synthetic preset's (examples/synthetic_agent.py).
 
 Start-up: the train group's initial weights (or the restored ones) are exported once as a
 Hugging Face Llama directory under `<output_dir>/policy_init` (what vLLM loads), with the job's
 tokenizer files beside them (`closed_loop.tokenizer_dir`), the engines start from it at
 `policy_version`, then `num_producers` AgentProducers start on the job's prompt source: the
 rows of `closed_loop.dataset` (read once here with Ray Data, shared through the object store)
-or the generator `closed_loop.prompts`. Producer i answers positions i, i + n, ... and resumes
+or the generator `closed_loop.prompts` (`closed_loop.num_prompts` of them). Producer i answers positions i, i + n, ... and resumes
 at its saved cursor, so dataset rows are answered exactly once across a resume too.
 
 `publish(group, v)` is the per-step weight sync: `publish_weights` (the train group's gather
@@ -32,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import ray
 
-from actors.agent_producer import AgentProducerConfig, PromptSpec, start_agent_producer
+from actors.agent_producer import PRODUCER_NAME, AgentProducerConfig, PromptSpec, start_agent_producer
 from actors.hf_checkpoint import write_hf_checkpoint
 from actors.rollout_engine import RolloutEnginePool
 from actors.weight_sync import publish_weights
@@ -69,15 +73,31 @@ def prompt_spec(config) -> PromptSpec:
     if loop.dataset is not None:
         rows = read_dataset_rows(loop.dataset)
         return PromptSpec(rows=ray.put(rows), epochs=loop.dataset.epochs, shuffle_seed=loop.dataset.shuffle_seed,
-                          keys=loop.dataset.keys)
-    return PromptSpec(generator=loop.prompts, generator_kwargs=dict(loop.prompts_kwargs), seed=loop.seed)
+                          keys=loop.dataset.keys, num_prompts=loop.num_prompts)
+    return PromptSpec(generator=loop.prompts, generator_kwargs=dict(loop.prompts_kwargs), seed=loop.seed,
+                      num_prompts=loop.num_prompts)
+
+
+def start_model_dir(config, group, policy_version: int) -> str:
+    """The train group's current weights as the Hugging Face directory the engines start from
+    (`<output_dir>/policy_init`, with the job's tokenizer files)."""
+    published = publish_weights(group, policy_version)
+    model_dir = os.path.abspath(os.path.join(config.run.output_dir, "policy_init"))
+    weights = ray.get(published.ref)
+    import torch
+
+    write_hf_checkpoint(model_dir, config.train.model,
+                        {name: torch.from_numpy(np.array(array)) for name, array in weights.items()},
+                        tokenizer_dir=config.closed_loop.tokenizer_dir)
+    return model_dir
 
 
 @dataclass
 class ClosedLoop:
-    """The running closed loop of one job (see module docstring)."""
+    """The running rollout source of one job (see module docstring)."""
 
-    engines: RolloutEnginePool
+    engines: RolloutEnginePool | None
+    """None when closed_loop.enabled=false."""
     producers: list = field(default_factory=list)
     """(actor, run ref) pairs."""
     loads: list = field(default_factory=list)
@@ -90,51 +110,54 @@ class ClosedLoop:
     @classmethod
     def start(cls, config, scheduler, group, *, policy_version: int,
               cursors: list[dict | None] | None = None) -> "ClosedLoop":
-        """Engines from `group`'s current weights at `policy_version`, then the producers.
+        """Engines from `group`'s current weights at `policy_version` (closed_loop.enabled), then the producers.
 
         `config` is the JobConfig; `cursors[i]`, when given, is producer i's saved `cursor()`.
         """
         loop_config = config.closed_loop
         prompts = prompt_spec(config)  # a dataset that cannot be read fails before any engine starts
-        published = publish_weights(group, policy_version)
-        model_dir = os.path.abspath(os.path.join(config.run.output_dir, "policy_init"))
-        weights = ray.get(published.ref)
-        import torch
-
-        write_hf_checkpoint(model_dir, config.train.model,
-                            {name: torch.from_numpy(np.array(array)) for name, array in weights.items()},
-                            tokenizer_dir=loop_config.tokenizer_dir)
-        loop = cls(engines=RolloutEnginePool(loop_config.engines, model_dir, policy_version=policy_version))
+        tokenizer_dir = os.path.abspath(loop_config.tokenizer_dir) if loop_config.tokenizer_dir is not None else None
+        if loop_config.enabled:
+            model_dir = start_model_dir(config, group, policy_version)
+            loop = cls(engines=RolloutEnginePool(loop_config.engines, model_dir, policy_version=policy_version))
+            tokenizer_dir = model_dir if tokenizer_dir is not None else None  # the engines' copy
+        else:
+            loop = cls(engines=None)
         try:
-            client = loop.engines.client()
+            client = loop.engines.client() if loop.engines is not None else None
             endpoint = loop_config.endpoint
             producer_config = AgentProducerConfig(
                 agent=loop_config.agent, agent_kwargs=dict(loop_config.agent_kwargs), group_size=loop_config.group_size,
                 groups_in_flight=loop_config.groups_in_flight, num_producers=loop_config.num_producers,
                 sampling=loop_config.sampling, timeout_s=loop_config.timeout_s,
-                tokenizer_dir=model_dir if loop_config.tokenizer_dir is not None else None,
+                tokenizer_dir=tokenizer_dir, sample_push_fraction=loop_config.sample_push_fraction,
                 max_sequence_length=config.train.model.max_position_embeddings, seed=loop_config.seed,
                 endpoint_host=endpoint.host if endpoint.enabled else None,
                 endpoint_token=endpoint_token(config.run.output_dir) if endpoint.enabled else None)
             for index in range(loop_config.num_producers):
                 cursor = cursors[index] if cursors and index < len(cursors) else None
                 loop.producers.append(start_agent_producer(index, producer_config, scheduler, client, prompts,
-                                                           cursor=cursor))
+                                                           cursor=cursor, name=PRODUCER_NAME.format(index)))
         except BaseException:
             loop.shutdown()
             raise
         return loop
 
-    def publish(self, group, policy_version: int) -> float:
-        """Weight sync after a step (or a restore): returns the trainer-side seconds (export + store)."""
+    def publish(self, group, policy_version: int) -> float | None:
+        """Weight sync after a step (or a restore): returns the trainer-side seconds (export + store), or
+        None without engines."""
+        if self.engines is None:
+            return None
         started = time.perf_counter()
         published = publish_weights(group, policy_version)
         self.loads.append((policy_version, self.engines.update_weights(published)))
         self._collect_loads()
         return time.perf_counter() - started
 
-    def restore(self, group, policy_version: int) -> float:
+    def restore(self, group, policy_version: int) -> float | None:
         """After a recovery: the engines go back to the restored weights (version = the restored step)."""
+        if self.engines is None:
+            return None
         self.restored_versions.append(policy_version)
         return self.publish(group, policy_version)
 
@@ -160,8 +183,10 @@ class ClosedLoop:
         count = sum(c for _, c in pairs)
         return sum(s for s, _ in pairs) / count if count else None
 
-    def engine_idle_share(self) -> float:
+    def engine_idle_share(self) -> float | None:
         """Share of the engines' time since start spent with nothing to do (spare sampling capacity)."""
+        if self.engines is None:
+            return None
         usage = self.engines.utilization()
         total = sum(u.busy_s + u.idle_s for u in usage)
         return sum(u.idle_s for u in usage) / total if total > 0 else 0.0
@@ -170,4 +195,5 @@ class ClosedLoop:
         for actor, _ in self.producers:
             ray.kill(actor)
         self.producers = []
-        self.engines.shutdown()
+        if self.engines is not None:
+            self.engines.shutdown()

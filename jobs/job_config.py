@@ -2,8 +2,8 @@
 
     JobConfig
       run          RunConfig          steps, outputs, checkpoints, Ray address
-      closed_loop  ClosedLoopConfig   the default rollouts: the digit task sampled from vLLM engines on the policy
-      producers    ProducerConfig     synthetic agentic producers and the Ray Data source (closed_loop.enabled=false)
+      closed_loop  ClosedLoopConfig   the rollouts: an agent in producers, sampling vLLM engines on the policy
+                                      (the digit task by default; enabled=false: no engines, the synthetic agent)
       scheduler    SchedulerConfig    batch (gbs in rollouts, token cap, balance, leftover), buffers
       train        TrainGroupConfig   model, optimizer, loss, parallel sizes, placement
 
@@ -19,7 +19,6 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from actors.producers import ProducerConfig
 from actors.rollout_engine import EngineConfig
 from actors.scheduler_api import SchedulerConfig
 from actors.train_config import LossConfig, ModelConfig, OptimizerConfig, TrainGroupConfig
@@ -156,18 +155,19 @@ class DatasetConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ClosedLoopConfig:
-    """The closed loop (the job's default): agents sample the policy being trained.
+    """The job's rollouts: `num_producers` AgentProducers run the agent named by `agent` in GRPO
+    groups of `group_size` on prompt rows (from `dataset`, or from `prompts`) and push the samples
+    to the scheduler. docs/agents.md says how to write one.
 
-    Rollout engines (vLLM) start from the train group's initial weights and load every version it
-    publishes (one per optimizer step); `num_producers` AgentProducers run the agent named by
-    `agent` in GRPO groups of `group_size` on prompt rows (from `dataset`, or from `prompts`)
-    and push the samples to the scheduler. docs/agents.md says how to write one.
+    Closed loop (the default): rollout engines (vLLM) start from the train group's initial weights
+    and load every version it publishes (one per optimizer step); the agents sample them.
     """
 
     enabled: bool = True
-    """false: the synthetic producers of the `producers` section feed the scheduler instead (no engines),
-    and the defaults become the synthetic run's (SYNTHETIC_DEFAULTS: gbs 8, 8 steps, checkpoint every 2,
-    on-policy ppo: synthetic samples carry no behaviour log-probs, vocabulary 128, lr 1e-4); keys you set still win."""
+    """false: no rollout engines (the agent makes its samples itself, ctx.add_sample), and the defaults
+    become the synthetic preset's (SYNTHETIC_DEFAULTS: the synthetic agent, examples/synthetic_agent.py,
+    30 prompts in groups of 2, gbs 8, 8 steps, checkpoint every 2, on-policy ppo: its samples carry no
+    behaviour log-probs, vocabulary 128, lr 1e-4); keys you set still win."""
     agent: str = f"{DIGIT_AGENT}:make_agent"
     """Import path of the agent factory ('module:function'), called with agent_kwargs; ship the module with
     `ray job submit --working-dir .` (or run from its directory)."""
@@ -177,6 +177,9 @@ class ClosedLoopConfig:
     """Import path of a prompt generator `make(seed, **prompts_kwargs) -> (position -> row dict)`; used when
     `dataset` is not set."""
     prompts_kwargs: dict = field(default_factory=dict)
+    num_prompts: int | None = None
+    """Prompt positions answered over all producers (None: every dataset row of every epoch; a generator's are
+    endless, and the run ends at run.num_steps)."""
     dataset: DatasetConfig | None = None
     """Prompt rows from a file (set closed_loop.dataset.path=...); takes the place of `prompts`."""
     tokenizer_dir: str | None = "examples/digit_tokenizer"
@@ -195,6 +198,9 @@ class ClosedLoopConfig:
     timeout_s: float = 300.0
     """Seconds one rollout (one agent call) may run; past it the group is dropped as `agent_timeout`."""
     endpoint: EndpointConfig = field(default_factory=EndpointConfig)
+    sample_push_fraction: float = 0.0
+    """Share of groups pushed one sample per call (the push API's sibling-by-sibling path, interleaved with other
+    groups) instead of whole; for agents that give the same samples on every run (docs/agents.md)."""
     """An OpenAI-compatible endpoint over the rollouts, for agents written against an OpenAI client."""
     seed: int = 0
     """Prompt generation and sampling seeds derive from it."""
@@ -214,6 +220,10 @@ class ClosedLoopConfig:
                               "(a generator's import path)")
         if self.timeout_s <= 0:
             raise ConfigError(f"closed_loop.timeout_s must be > 0 seconds, got {self.timeout_s}")
+        if self.num_prompts is not None and (not isinstance(self.num_prompts, int) or self.num_prompts < 1):
+            raise ConfigError(f"closed_loop.num_prompts must be an integer >= 1 or null, got {self.num_prompts!r}")
+        if not 0 <= self.sample_push_fraction <= 1:
+            raise ConfigError(f"closed_loop.sample_push_fraction must be in [0, 1], got {self.sample_push_fraction}")
 
 
 def _default_scheduler() -> SchedulerConfig:
@@ -234,24 +244,17 @@ def _default_train() -> TrainGroupConfig:
 class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
     closed_loop: ClosedLoopConfig = field(default_factory=ClosedLoopConfig)
-    producers: ProducerConfig = field(default_factory=ProducerConfig)
     scheduler: SchedulerConfig = field(default_factory=_default_scheduler)
     train: TrainGroupConfig = field(default_factory=_default_train)
 
     def __post_init__(self):
         check_schedule_configs(self.train.parallel_config, self.scheduler.batch)
-        rollouts, model = self.producers.rollouts, self.train.model
+        model = self.train.model
         if self.closed_loop.enabled:
             self._check_closed_loop()
-        elif rollouts.max_sequence_length > model.max_position_embeddings:
-            raise ConfigError(
-                f"producers.rollouts.max_sequence_length={rollouts.max_sequence_length} exceeds "
-                f"train.model.max_position_embeddings={model.max_position_embeddings}: lower the first or raise the second"
-            )
-        if not self.closed_loop.enabled and rollouts.vocab_size != model.vocab_size:
-            raise ConfigError(
-                f"producers.rollouts.vocab_size={rollouts.vocab_size} must equal train.model.vocab_size={model.vocab_size}"
-            )
+        elif self.scheduler.max_staleness is not None:
+            raise ConfigError(f"scheduler.max_staleness={self.scheduler.max_staleness} needs rollout engines: with "
+                              "closed_loop.enabled=false samples carry no policy version to bound; leave it out")
         intake = self.scheduler.intake
         if intake.vocab_size is not None and intake.vocab_size != model.vocab_size:
             raise ConfigError(f"scheduler.intake.vocab_size={intake.vocab_size} must equal train.model.vocab_size="
@@ -291,16 +294,22 @@ class JobConfig:
                                  else model.max_position_embeddings)))
 
 
+SYNTHETIC_AGENT = "examples.synthetic_agent"
+"""The synthetic preset's agent module (examples/synthetic_agent.py)."""
+
 SYNTHETIC_DEFAULTS = {
+    "closed_loop": {"agent": f"{SYNTHETIC_AGENT}:make_agent", "prompts": f"{SYNTHETIC_AGENT}:make_prompts",
+                    "num_prompts": 30, "group_size": 2, "groups_in_flight": 4, "tokenizer_dir": None,
+                    "sample_push_fraction": 0.5},
     "run": {"num_steps": 8, "checkpoint_every": 2},
     "scheduler": {"batch": {"global_batch_size": 8}},
     "train": {"loss": {"off_policy": {"max_staleness": 0, "policy_loss": "ppo"}},
               "model": {"vocab_size": ModelConfig().vocab_size},  # the synthetic rollouts' default vocabulary
               "optimizer": {"lr_schedule": {"lr": LRScheduleConfig().lr}}},
 }
-"""The defaults that change with closed_loop.enabled=false: the synthetic run as it was before the
-closed loop (synthetic rollouts have no policy versions and no behaviour log-probs, their tokens
-span 128 ids, and a short run shows full and partial steps)."""
+"""The defaults that change with closed_loop.enabled=false: the synthetic preset (its agent's samples
+have no policy versions and no behaviour log-probs, their tokens span 128 ids, half its groups are
+pushed sample by sample, and a short run shows full and partial steps)."""
 
 
 def _with_defaults(mapping: dict, defaults: dict) -> dict:

@@ -1,7 +1,7 @@
 """The vgbs-ray training job: agentic producers -> SchedulerActor -> Megatron TrainActors.
 
     python -m jobs.train                                  # embedded default: the closed loop, in-process Ray
-    python -m jobs.train --set closed_loop.enabled=false  # synthetic producers instead (no engines)
+    python -m jobs.train --set closed_loop.enabled=false  # the synthetic agent instead (no engines)
     python -m jobs.train --config jobs/configs/cluster_16gpu.yaml --set scheduler.batch.global_batch_size=6
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
         python -m jobs.train --set run.ray_address=auto
@@ -10,8 +10,8 @@ The default is the closed loop (jobs/closed_loop.py): vLLM engines start from th
 initial weights, AgentProducers run the configured agent (closed_loop.agent; the demo's digit
 agent by default, docs/agents.md) through them, and after every optimizer
 step the train group publishes its weights (policy version = steps trained) and the engines load
-them without the trainer waiting. With closed_loop.enabled=false synthetic producers
-(actors/producers.py) and a Ray Data stream of synthetic rollouts feed the scheduler instead.
+them without the trainer waiting. With closed_loop.enabled=false the same producers run the
+synthetic agent (examples/synthetic_agent.py: made-up samples, no engines) instead.
 
 Per step it prints one line (rollouts, samples, micro-batches per rank, tokens, loss,
 reward, time; in the closed loop also the policy version, staleness, the sampled reward, the
@@ -36,10 +36,9 @@ import time
 
 import ray
 
-from actors.producers import dataset_rollout_ids, rollout_dataset, start_producers
 from actors.scheduler_actor import create_scheduler
 from actors.train_group import PlacementGroupTimeoutError, TrainStepError
-from jobs.checkpoint import dataset_prompts_to_resend, latest_checkpoint, load_resume_point
+from jobs.checkpoint import latest_checkpoint, load_resume_point
 from jobs.closed_loop import ClosedLoop
 from jobs.job_config import JobConfig, load_job_config, options_help
 from jobs.job_metrics import JobMetrics
@@ -59,7 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="options (set in the YAML file or with --set section.key=value):\n" + options_help(),
     )
-    parser.add_argument("--config", help="YAML file with sections run, closed_loop, producers, scheduler, train "
+    parser.add_argument("--config", help="YAML file with sections run, closed_loop, scheduler, train "
                                          "(default: embedded)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override one option, e.g. --set scheduler.batch.global_batch_size=6 (repeatable)")
@@ -209,24 +208,15 @@ def train(config: JobConfig, records_path: str, on_event=None) -> dict:
             print(f"resumed from {resume_from} at step {first_step} (policy version {resume.policy_version}, "
                   f"{resume.scheduler_state.num_live_rollouts} untrained rollouts restored)", flush=True)
         cursors = resume.cursors if resume is not None else None
-        if config.closed_loop.enabled:
-            # Engines from the weights the group starts with (version = steps trained so far), then producers.
-            started = time.monotonic()
-            loop = ClosedLoop.start(config, scheduler, controller.group, policy_version=first_step, cursors=cursors)
-            producers = loop.producers
-            controller.attach_producers(producers, cursors)
-            print(f"closed loop: {config.closed_loop.engines.num_engines} rollout engine(s) at policy version "
-                  f"{first_step}, {len(producers)} producers of {config.closed_loop.agent} ({time.monotonic() - started:.1f} s)", flush=True)
-        else:
-            producers = start_producers(config.producers, scheduler, cursors)
-            controller.attach_producers(producers, cursors)
-            dataset_prompts = list(range(config.producers.dataset_prompts))
-            if resume is not None:  # only the prompts the checkpoint does not wholly hold
-                dataset_prompts = dataset_prompts_to_resend(
-                    resume.scheduler_state, {p: dataset_rollout_ids(config.producers, p) for p in dataset_prompts})
-            if dataset_prompts:
-                ray.get(scheduler.consume_dataset.remote(rollout_dataset(config.producers, dataset_prompts)),
-                        timeout=60)
+        # Engines from the weights the group starts with (version = steps trained so far), then producers.
+        started = time.monotonic()
+        loop = ClosedLoop.start(config, scheduler, controller.group, policy_version=first_step, cursors=cursors)
+        producers = loop.producers
+        controller.attach_producers(producers, cursors)
+        engines = (f"{config.closed_loop.engines.num_engines} rollout engine(s) at policy version {first_step}"
+                   if loop.engines is not None else "no rollout engines")
+        print(f"rollouts: {engines}, {len(producers)} producers of {config.closed_loop.agent} "
+              f"({time.monotonic() - started:.1f} s)", flush=True)
         close_input = close_input_when_producers_finish(scheduler, producers, timeout_s=600)
 
         start = time.monotonic()
@@ -244,7 +234,7 @@ def train(config: JobConfig, records_path: str, on_event=None) -> dict:
         ray.get(scheduler.drop_untrained.remote(first_step + len(trained)), timeout=60)
         stats = ray.get(scheduler.stats.remote(check_ledger=True), timeout=60)
         summary = {**summarize(stats, trained, elapsed, controller), "producers": close_input.outcome()}
-        if loop is not None:
+        if loop.engines is not None:
             summary["closed_loop"] = closed_loop_summary(trained, close_input.reports, loop, stats=stats,
                                                            elapsed_s=elapsed)
         tracker.finish(trained, summary, counters_from_stats(stats, len(controller.recoveries)))
@@ -305,7 +295,7 @@ def run_steps(config: JobConfig, controller: TrainController, recorder: StepReco
                 if result is not None:
                     record = ray.get(scheduler.step_record.remote(step), timeout=60)
                     line = step_line(result, record)
-                    if loop is not None:
+                    if loop is not None and loop.engines is not None:
                         sync_s = loop.publish(controller.group, step + 1)
                         line = dataclasses.replace(
                             line, policy_version=step, weight_sync_s=sync_s, sampled_reward=loop.drain_sampled_reward(),

@@ -1,4 +1,4 @@
-"""Helpers of the failure and resume tests: job overrides that select the synthetic producers (the
+"""Helpers of the failure and resume tests: job overrides that select the synthetic preset (the
 job's control flow, fast, without vLLM), and a recording stand-in for the scheduler's push API.
 
 Ray workers import a test helper class by its module name, so it lives here (`tests.resume_support`)
@@ -6,20 +6,22 @@ rather than in a test module that pytest imports under another name."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import time
 from dataclasses import fields
 
 import ray
 
-from actors.producers import PRODUCER_NAME
+from actors.agent_producer import PRODUCER_NAME
 from actors.scheduler_actor import DEFAULT_NAME
-from actors.scheduler_api import SubmitResult
+from actors.scheduler_api import Admission, SubmitResult
 from actors.train_config import LossConfig
 from jobs.job_config import JobConfig
 
 
 def synthetic_producers() -> list[str]:
-    """`--set` items for synthetic producers where the job defaults to the closed loop. Synthetic
+    """`--set` items for the synthetic preset where the job defaults to the closed loop. Synthetic
     samples carry no behaviour log-probs, so the loss is on-policy PPO with no staleness."""
     if "closed_loop" not in {f.name for f in fields(JobConfig)}:
         return []
@@ -29,15 +31,41 @@ def synthetic_producers() -> list[str]:
     return extra
 
 
+def make_held_agent(hold_until: str, **synthetic_kwargs):
+    """The synthetic agent, except that the groups of prompt positions 0 and 1 (each of two producers'
+    first) finish only once the path `hold_until` exists: an event the test controls, not a delay."""
+    from examples.synthetic_agent import make_agent
+
+    agent = make_agent(**synthetic_kwargs)
+
+    async def held(row, ctx):
+        while ctx.group_id in ("p0", "p1") and not os.path.exists(hold_until):
+            await asyncio.sleep(0.05)
+        return await agent(row, ctx)
+
+    return held
+
+
 class RecordingScheduler:
-    """Accepts every sample and records (rollout id, sample index, tokens) of each, in push order."""
+    """Admits every group, accepts every sample and records (rollout id, sample index, tokens) of each,
+    in push order; `admit` names the ids pushed before as known, like the scheduler."""
 
     def __init__(self):
         self.samples: list[tuple] = []
 
+    def admit(self, rollout_ids, engine_version: int) -> Admission:
+        pushed = {rid for rid, _, _ in self.samples}
+        return Admission(True, 0, 0, known=tuple(rid for rid in rollout_ids if rid in pushed), enforced=False)
+
     def submit(self, samples, wait_s: float = 0.0) -> SubmitResult:
         self.samples += [(s["rollout_id"], s["sample_index"], tuple(int(t) for t in s["tokens"])) for s in samples]
         return SubmitResult(accepted=len(samples))
+
+    def fail_rollouts(self, rollout_ids, reason: str) -> int:
+        raise AssertionError(f"the synthetic agent lost {rollout_ids} ({reason})")
+
+    def abandon(self, rollout_ids) -> None:
+        pass
 
     def seen(self) -> list[tuple]:
         return list(self.samples)

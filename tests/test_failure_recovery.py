@@ -8,11 +8,11 @@
   no traceback, no ActorDiedError, no failed producer in the output.
 - Scheduler loss: the SchedulerActor killed mid-run: the job stops within a bounded time with a
   message saying what was lost (never hangs).
-- Producer loss: one AgenticProducer killed right after it pushed some siblings of a rollout but
+- Producer loss: one AgentProducer killed right after it pushed some siblings of a rollout but
   not all: that rollout ends `incomplete_rollout` (its group's others `incomplete_group`), every
   other rollout trains, the ledger check passes, the job ends cleanly.
 
-The job runs the synthetic producers (tests/resume_support.py). Resuming across a killed driver
+The job runs the synthetic preset (tests/resume_support.py: examples/synthetic_agent.py, no engines). Resuming across a killed driver
 is tests/test_resume_killed_driver.py.
 
 Kills happen at events the job reports (`on_event`), never after sleeps racing the run.
@@ -29,7 +29,7 @@ import time
 import pytest
 import ray
 
-from actors.producers import PRODUCER_NAME
+from actors.agent_producer import PRODUCER_NAME
 from jobs.checkpoint import latest_checkpoint
 from jobs.job_config import load_job_config
 from jobs.recovery import SchedulerLostError
@@ -38,15 +38,20 @@ from tests.resume_support import names_free, synthetic_producers
 
 pytestmark = pytest.mark.slow
 
-# 2 agents x 6 prompts x 2 rollouts + 2 dataset prompts x 2 = 28 rollouts, less any group whose two
-# rewards are equal (dropped as uniform: one such group with this seed): 7 steps of 4, the last partial.
+# 2 producers x 8 prompts x 2 rollouts = 32 rollouts, less the groups with a malformed member (never
+# complete) and any group whose two rewards are equal (dropped as uniform): ~7 steps of 4, the last partial.
 RUN = [
     *synthetic_producers(),
-    "producers.num_agents=2", "producers.prompts_per_agent=6", "producers.group_size=2",
-    "producers.dataset_prompts=2", "producers.uniform_group_fraction=0", "producers.bad_rollout_fraction=0.5",
-    "producers.max_delay_s=0.05", "scheduler.batch.global_batch_size=4", "run.num_steps=50",
+    "closed_loop.num_producers=2", "closed_loop.num_prompts=16", "closed_loop.group_size=2",
+    "closed_loop.prompts_kwargs.uniform_group_fraction=0", "closed_loop.prompts_kwargs.bad_rollout_fraction=0.1",
+    "closed_loop.agent_kwargs.max_delay_s=0.05", "scheduler.batch.global_batch_size=4", "run.num_steps=50",
     "run.checkpoint_every=2", "run.max_failures=2", "run.plot=false",
 ]
+
+
+def position(rollout_id: str) -> int:
+    """The prompt position of a rollout id `p{position}-r{member}` (producer i of 2 answers positions i, i + 2, ...)."""
+    return int(rollout_id[1:].split("-")[0])
 
 
 def run_job(out, extra=(), on_event=None):
@@ -74,7 +79,7 @@ def ledger_trained(out) -> dict:
 
 def test_two_killed_train_ranks_are_recovered_and_every_rollout_trains_exactly_once(ray_session, tmp_path):
     clean, clean_history = run_job(tmp_path / "clean")
-    total = 28 - clean["dropped_by_reason"].get("uniform_group_reward", 0)
+    total = clean["rollouts_by_state"]["trained"]
     assert clean["recoveries"] == [] and clean["rollouts_trained"] == total >= 24
 
     rng = random.Random(11)
@@ -128,12 +133,11 @@ def test_two_killed_train_ranks_are_recovered_and_every_rollout_trains_exactly_o
 
 
 def test_a_run_that_reaches_its_last_step_stops_producers_first_and_fails_nothing(ray_session, tmp_path, capfd):
-    # Producers with far more prompts than 2 steps take, still pushing when the run ends.
-    summary, history = run_job(tmp_path / "short", extra=["run.num_steps=2", "producers.prompts_per_agent=100",
-                                                          "producers.max_delay_s=0.2"])
+    # Producers of an endless prompt source, still pushing when the run ends.
+    summary, history = run_job(tmp_path / "short", extra=["run.num_steps=2", "closed_loop.num_prompts=null",
+                                                          "closed_loop.agent_kwargs.max_delay_s=0.2"])
     assert summary["steps"] == 2 and len(history) == 2
     states = summary["rollouts_by_state"]
-    assert sum(states.values()) < 2 * 100 * 2  # the producers were stopped (~10 s early), not run to the end
     # Every accepted rollout ends trained or dropped: what the stopped run never trained is run_ended.
     assert states["buffered"] == states["scheduled"] == 0 and states["trained"] == sum(summary["rollouts_per_step"])
     assert summary["dropped_by_reason"].get("run_ended", 0) > 0
@@ -154,7 +158,7 @@ def test_a_killed_scheduler_stops_the_run_with_what_was_lost(ray_session, tmp_pa
             ray.kill(controller.scheduler)
 
     with pytest.raises(SchedulerLostError) as failure:
-        run_job(tmp_path / "lost", extra=["producers.prompts_per_agent=20"], on_event=kill_scheduler)
+        run_job(tmp_path / "lost", extra=["closed_loop.num_prompts=40"], on_event=kill_scheduler)
     stopped_after_s = time.monotonic() - killed["at"]
     message = str(failure.value)
     assert "SchedulerActor died at step 3" in message and "buffered rollouts" in message
@@ -180,11 +184,12 @@ def test_a_producer_killed_mid_rollout_leaves_that_rollout_incomplete_and_the_re
         killed["held"] = held
         ray.kill(producer, no_restart=True)
 
-    # Every multi-sample rollout pushed sibling by sibling; no malformed ones (every incomplete
-    # rollout below is the kill's).
+    # Every group pushed sample by sample, one group at a time per producer; no malformed ones (every
+    # incomplete rollout below is the kill's).
     summary, history = run_job(tmp_path / "producer", on_event=kill_producer_mid_rollout, extra=[
-        "producers.prompts_per_agent=10", "producers.max_delay_s=0.3", "producers.bad_rollout_fraction=0",
-        "producers.sibling_push_fraction=1.0", "producers.rollouts.multi_sample_fraction=0.8"])
+        "closed_loop.num_prompts=20", "closed_loop.agent_kwargs.max_delay_s=0.3", "closed_loop.groups_in_flight=1",
+        "closed_loop.prompts_kwargs.bad_rollout_fraction=0", "closed_loop.sample_push_fraction=1.0",
+        "closed_loop.agent_kwargs.multi_sample_fraction=0.8"])
 
     assert killed["held"], killed
     assert summary["producers"]["failed"] == 1 and summary["producers"]["input_closed"]
@@ -196,8 +201,8 @@ def test_a_producer_killed_mid_rollout_leaves_that_rollout_incomplete_and_the_re
     assert summary["dropped_by_reason"]["incomplete_rollout"] == len(killed["held"])
     assert summary["incomplete_rollouts"] >= len(killed["held"])
     # Everything the others produced trains (or is dropped by the uniform-reward filter).
-    others = {rid: state for rid, state in ledger.items() if not rid.startswith("agent0/")}
-    assert len(others) == 10 * 2 + 2 * 2
+    others = {rid: state for rid, state in ledger.items() if position(rid) % 2 == 1}
+    assert len(others) == 10 * 2
     assert all(state[0] == "trained" or state[2] == "uniform_group_reward" for state in others.values()), others
     # The final history trains each trained rollout once; train() ran the ledger check at the end.
     flat = [rid for ids in history for rid in ids]

@@ -36,7 +36,11 @@ def test_closed_loop_off_switches_to_the_synthetic_defaults_and_explicit_keys_st
     assert config.scheduler.batch.global_batch_size == 8 and config.run.num_steps == 8
     assert config.train.loss.off_policy.policy_loss == "ppo" and config.train.loss.off_policy.max_staleness == 0
     assert config.scheduler_with_model_limits().max_staleness is None  # synthetic rollouts carry no versions
-    assert config.producers.rollouts.vocab_size == config.train.model.vocab_size == 128
+    assert config.train.model.vocab_size == 128  # the synthetic agent's default vocabulary
+    # One rollout source: the synthetic preset is an agent like any other, with no tokenizer and no engines.
+    assert config.closed_loop.agent == "examples.synthetic_agent:make_agent"
+    assert config.closed_loop.prompts == "examples.synthetic_agent:make_prompts"
+    assert config.closed_loop.tokenizer_dir is None and config.closed_loop.num_prompts == 30
     assert config.train.optimizer.lr_schedule.lr == 1e-4
     mine = load_job_config(None, ["closed_loop.enabled=false", "scheduler.batch.global_batch_size=6"])
     assert mine.scheduler.batch.global_batch_size == 6
@@ -46,11 +50,11 @@ def test_closed_loop_off_switches_to_the_synthetic_defaults_and_explicit_keys_st
 
 def test_overrides_change_only_the_named_keys():
     config = load_job_config(None, ["scheduler.batch.global_batch_size=6", "train.model.hidden_size=32",
-                                    "producers.rollouts.max_samples_per_rollout=2"])
+                                    "closed_loop.agent_kwargs.max_samples_per_rollout=2"])
     assert config.scheduler.batch.global_batch_size == 6
     assert config.scheduler.batch.max_tokens_per_gpu == 512  # kept from the default
     assert config.train.model.hidden_size == 32 and config.train.model.num_layers == 2
-    assert config.producers.rollouts.max_samples_per_rollout == 2
+    assert config.closed_loop.agent_kwargs == {"max_samples_per_rollout": 2}
 
 
 @pytest.mark.parametrize(
@@ -61,8 +65,9 @@ def test_overrides_change_only_the_named_keys():
         (["scheduler.batch.max_tokens_per_gpu=null", "scheduler.batch.micro_batch_size=3"],
          r"step_size % \(dp_size \* micro_batch_size \* mb_group\) == 0"),
         (["scheduler.batch.global_batch_size=1"], r"global_batch_size=1 rollouts is fewer than"),
-        (["closed_loop.enabled=false", "producers.rollouts.max_sequence_length=1024"],
-         r"exceeds train.model.max_position_embeddings"),
+        (["closed_loop.enabled=false", "scheduler.max_staleness=1"], r"max_staleness=1 needs rollout engines"),
+        (["closed_loop.num_prompts=0"], r"closed_loop.num_prompts must be an integer >= 1"),
+        (["closed_loop.sample_push_fraction=2"], r"closed_loop.sample_push_fraction must be in \[0, 1\]"),
         (["closed_loop.group_size=1"], r"closed_loop.group_size must be >= 2"),
         (["closed_loop.agent=my_agents.make"], r"closed_loop.agent='my_agents.make' must be an import path"),
         (["closed_loop.dataset.path=prompts.csv"], r"cannot tell the format.*closed_loop.dataset.format"),
@@ -103,7 +108,7 @@ def test_parallel_sizes_the_cluster_cannot_hold_fail_before_any_actor():
 def test_help_lists_every_option_with_its_doc():
     text = options_help()
     for key in ("run.num_steps", "scheduler.batch.global_batch_size", "train.model.hidden_size",
-                "producers.group_size", "scheduler.max_steps_ahead"):
+                "closed_loop.group_size", "closed_loop.num_prompts", "scheduler.max_steps_ahead"):
         assert key in text
     assert "Rollouts per optimizer step (not samples)." in text
     result = subprocess.run([sys.executable, "-m", "jobs.train", "--help"], cwd=ROOT, capture_output=True, text=True,

@@ -30,13 +30,15 @@ pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GLOBAL_BATCH_SIZE = 7
-# 2 agents x 5 prompts x 2 rollouts + 2 dataset prompts x 2 = 24 rollouts (not a multiple of 7),
-# plus malformed rollouts that must be rejected while training goes on.
+PROMPTS, GROUP = 14, 2
+# 2 producers, 14 prompts x 2 rollouts = 28 rollouts (not a multiple of 7), among them groups with a
+# malformed member (prompts 0 and 8 with this seed), rejected by rule while training goes on.
 SMALL_RUN = [
-    "closed_loop.enabled=false",  # the synthetic producers (the default is the closed loop: tests/test_closed_loop_*)
-    "producers.num_agents=2", "producers.prompts_per_agent=5", "producers.group_size=2",
-    "producers.dataset_prompts=2", "producers.uniform_group_fraction=0", "producers.bad_rollout_fraction=0.5",
-    "producers.max_delay_s=0.1", f"scheduler.batch.global_batch_size={GLOBAL_BATCH_SIZE}", "run.num_steps=20",
+    "closed_loop.enabled=false",  # the synthetic preset (the default is the closed loop: tests/test_closed_loop_*)
+    "closed_loop.num_producers=2", f"closed_loop.num_prompts={PROMPTS}", f"closed_loop.group_size={GROUP}",
+    "closed_loop.prompts_kwargs.uniform_group_fraction=0", "closed_loop.prompts_kwargs.bad_rollout_fraction=0.2",
+    "closed_loop.agent_kwargs.max_delay_s=0.1", f"scheduler.batch.global_batch_size={GLOBAL_BATCH_SIZE}",
+    "run.num_steps=20",
 ]
 
 
@@ -62,15 +64,19 @@ def test_local_job_trains_full_and_partial_steps_records_them_and_resumes(tmp_pa
     assert len(step_lines(first.stdout)) == len(records) >= 3
     rollouts = [r["num_rollouts"] for r in records]
     summary = json.loads((out / "summary.json").read_text())
-    # Every well-formed rollout trained exactly once, but for a group whose two rollouts tied on
-    # reward by chance (the dynamic-sampling filter drops it: no signal).
-    assert sum(rollouts) + summary["dropped_by_reason"].get("uniform_group_reward", 0) == 24
-    assert sum(rollouts) >= 20
+    # Every rollout trained exactly once, but for a group whose two rollouts tied on reward by chance
+    # (the dynamic-sampling filter drops it: no signal) and the groups with a malformed member (its
+    # sample rejected, the group never complete: dropped when the input closed).
+    dropped = summary["dropped_by_reason"]
+    lost = [dropped.get(reason, 0) for reason in ("uniform_group_reward", "incomplete_group", "incomplete_rollout")]
+    rejected_only = GROUP * PROMPTS - sum(rollouts) - sum(lost)  # the bad members wholly rejected
+    assert 0 <= rejected_only <= summary["rejected_samples_by_rule"]["token_range"]
+    assert dropped.get("incomplete_group", 0) >= 1 and sum(rollouts) >= 20
     assert all(n == GLOBAL_BATCH_SIZE for r, n in zip(records, rollouts) if not r["partial"])
     assert any(r["partial"] and r["num_rollouts"] < GLOBAL_BATCH_SIZE for r in records)
     assert [r["step"] for r in records] == list(range(len(records)))
     assert summary["rollouts_trained"] == sum(rollouts) and summary["rollouts_per_step"] == rollouts
-    assert summary["rejected_samples_by_rule"].get("mask_length", 0) >= 1  # bad input rejected, training went on
+    assert summary["rejected_samples_by_rule"].get("token_range", 0) >= 1  # bad input rejected, training went on
     assert (out / "steps.png").stat().st_size > 10_000
     latest = (out / "checkpoints" / "latest").read_text().strip()
     assert latest == f"step_{len(records):06d}"

@@ -1,6 +1,6 @@
 """Resume across job restarts, exactly once: the job's driver SIGKILLed mid-run, then resumed.
 
-`python -m jobs.train` (synthetic producers, a small config, run to the end of its input) runs
+`python -m jobs.train` (the synthetic preset, a small config, run to the end of its input) runs
 as a subprocess in its own session. Once its records show step 3 trained and its latest
 checkpoint holds it (files polled: event-gated, no sleeps racing the run), the whole session is
 SIGKILLed: the driver, the in-process Ray it started (GCS, raylet) and the Ray workers, which sit
@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from actors.producers import prompt_rollouts
+from actors.agent_producer import pushes_samples_one_by_one
 from jobs.job_config import load_job_config
 from jobs.progress import read_records
 from tests.resume_support import synthetic_producers
@@ -33,21 +33,27 @@ from tests.resume_support import synthetic_producers
 pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-AGENTS, PROMPTS, GROUP, DATASET_PROMPTS = 2, 10, 2, 2
+AGENTS, PROMPTS, GROUP = 2, 10, 2
+"""Producers, prompts per producer, rollouts per prompt."""
 KILL_AFTER_STEP = 3
-# Synthetic producers slow enough to be still pushing when the driver dies (10 prompts 0.75 s
-# apart, each rollout finishing up to 1.5 s after its prompt's start), so the resumed producers
-# regenerate prompts and some pushes come twice.
+# Each producer's first group is held until a path exists (tests/resume_support.py: make_held_agent;
+# the killed run's never does), so the checkpoint the test kills at has its cursors at 0 and the
+# groups pushed before it lie past them: the resumed producers regenerate them and, every group being
+# pushed sample by sample, push them again.
 RUN = [
-    f"producers.num_agents={AGENTS}", f"producers.prompts_per_agent={PROMPTS}", f"producers.group_size={GROUP}",
-    f"producers.dataset_prompts={DATASET_PROMPTS}", "producers.uniform_group_fraction=0",
-    "producers.bad_rollout_fraction=0.5", "producers.max_delay_s=1.5", "scheduler.batch.global_batch_size=4",
+    "closed_loop.agent=tests.resume_support:make_held_agent", f"closed_loop.num_producers={AGENTS}",
+    f"closed_loop.num_prompts={AGENTS * PROMPTS}", f"closed_loop.group_size={GROUP}", "closed_loop.groups_in_flight=3",
+    "closed_loop.sample_push_fraction=1.0", "closed_loop.prompts_kwargs.uniform_group_fraction=0",
+    "closed_loop.prompts_kwargs.bad_rollout_fraction=0.2", "closed_loop.agent_kwargs.max_delay_s=1.0",
+    "scheduler.batch.global_batch_size=4",
     "run.num_steps=50", "run.checkpoint_every=2", "run.plot=false",
 ]
 
 
-def job_command(out: pathlib.Path, *extra: str) -> list[str]:
-    items = [*synthetic_producers(), *RUN, f"run.output_dir={out}", *extra]
+def job_command(out: pathlib.Path, hold_until: pathlib.Path, *extra: str) -> list[str]:
+    """The job; the first groups finish once `hold_until` exists (see RUN)."""
+    items = [*synthetic_producers(), *RUN, f"run.output_dir={out}", f"closed_loop.agent_kwargs.hold_until={hold_until}",
+             *extra]
     return [sys.executable, "-m", "jobs.train", *[arg for item in items for arg in ("--set", item)]]
 
 
@@ -109,23 +115,24 @@ def trained_ids(ledger: dict) -> dict[str, int]:
     return {rid: state[1] for rid, state in ledger["rollouts"].items() if state[0] == "trained"}
 
 
-def run_to_end(out: pathlib.Path, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
+def run_to_end(out: pathlib.Path, hold_until: pathlib.Path, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
     started = time.monotonic()
-    done = subprocess.run(job_command(out, *extra), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(job_command(out, hold_until, *extra), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done, time.monotonic() - started
 
 
 def test_a_driver_killed_mid_run_resumes_and_trains_every_rollout_exactly_once(tmp_path):
     clean_out, out = tmp_path / "clean", tmp_path / "killed"
-    _, clean_s = run_to_end(clean_out)
+    # The first groups finish after the checkpoint the killed run is killed at: late, as they will after the resume.
+    _, clean_s = run_to_end(clean_out, clean_out / "checkpoints" / f"step_{KILL_AFTER_STEP + 1:06d}")
     clean_summary = json.loads((clean_out / "summary.json").read_text())
     clean_trained = trained_ids(final_ledger(clean_out))
     assert len(clean_trained) == clean_summary["rollouts_trained"] > 4 * KILL_AFTER_STEP
 
     # The run to kill: in a session of its own, so the kill reaches everything it started.
     log = open(tmp_path / "killed.log", "w")
-    proc = subprocess.Popen(job_command(out), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(job_command(out, tmp_path / "never"), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
         while not (KILL_AFTER_STEP in trained_steps(out) and latest_checkpoint_mid_run(out)):
@@ -145,16 +152,18 @@ def test_a_driver_killed_mid_run_resumes_and_trains_every_rollout_exactly_once(t
     state = pickle.loads((checkpoint / "scheduler.pkl").read_bytes())
     assert state.next_step == state.policy_version == next_step
 
-    # What the resumed producers will send again although the checkpoint already holds it.
-    config = load_job_config(None, [*synthetic_producers(), *RUN]).producers
-    regenerated = {planned.samples[0]["rollout_id"]
-                   for agent, cursor in enumerate(cursors)
-                   for p in range((cursor or {"next_index": 0})["next_index"], PROMPTS)
-                   for planned in prompt_rollouts(config, agent, p)}
+    # What the resumed producers will send again although the checkpoint already holds it: the groups
+    # from their cursors on that are pushed sample by sample (all here; one pushed whole and held is skipped).
+    config = load_job_config(None, [*synthetic_producers(), *RUN]).closed_loop
+    positions = [producer + k * AGENTS for producer, cursor in enumerate(cursors)
+                 for k in range((cursor or {"next_index": 0})["next_index"], PROMPTS)]
+    regenerated = {f"p{position}-r{member}" for position in positions for member in range(GROUP)
+                   if pushes_samples_one_by_one(config.seed, position, config.sample_push_fraction)}
     sent_again = {rid for rid in regenerated if rid in at_kill["rollouts"]}
-    assert sent_again, "no rollout of the prompts past a cursor was pushed before the checkpoint"
+    assert cursors == [{"next_index": 0}] * AGENTS  # the held groups
+    assert len(sent_again) >= 4 * KILL_AFTER_STEP, "the rollouts pushed before the checkpoint are past the cursors"
 
-    resumed, resume_s = run_to_end(out, "run.resume=true")
+    resumed, resume_s = run_to_end(out, tmp_path, "run.resume=true")
     assert f"resumed from {checkpoint} at step {next_step}" in resumed.stdout
     summary = json.loads((out / "summary.json").read_text())
     ledger = final_ledger(out)

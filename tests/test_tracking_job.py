@@ -24,12 +24,12 @@ from tests.tracking_support import (mlflow_run, tensorboard_hparams, tensorboard
 pytestmark = pytest.mark.slow
 
 GBS = 4
-# 2 agents x 5 prompts x 2 rollouts + 2 dataset prompts x 2 = 24 rollouts: 6 steps of 4, some malformed
-# rollouts rejected by rule (a counter the trackers get).
+# 2 producers, 14 prompts x 2 rollouts = 28 rollouts, less the groups with a malformed member (prompt 0's
+# among them: a rejection by rule from the start, a counter the trackers get): ~6 steps of 4.
 RUN = [
-    *synthetic_producers(), "producers.num_agents=2", "producers.prompts_per_agent=5", "producers.group_size=2",
-    "producers.dataset_prompts=2", "producers.uniform_group_fraction=0", "producers.bad_rollout_fraction=0.5",
-    "producers.max_delay_s=0.05", f"scheduler.batch.global_batch_size={GBS}", "run.checkpoint_every=2",
+    *synthetic_producers(), "closed_loop.num_producers=2", "closed_loop.num_prompts=14", "closed_loop.group_size=2",
+    "closed_loop.prompts_kwargs.uniform_group_fraction=0", "closed_loop.prompts_kwargs.bad_rollout_fraction=0.2",
+    "closed_loop.agent_kwargs.max_delay_s=0.05", f"scheduler.batch.global_batch_size={GBS}", "run.checkpoint_every=2",
     "run.plot=false", "run.loggers=[console,jsonl,tensorboard,wandb,mlflow]", "run.run_name=tracking-test",
 ]
 
@@ -77,10 +77,10 @@ def test_a_job_logs_to_tensorboard_wandb_and_mlflow_and_a_resumed_run_continues_
     assert [r["step"] for r in records] == [0, 1, 2] and first["steps"] == 3
     ids, runs = check_trackers(out, first, final_history(records), starts=1)
     # The cumulative counters reach the trackers with the last step: the summary's, from the same ledger.
-    rejected = first["rejected_samples_by_rule"]["mask_length"]
-    assert rejected >= 1 and runs[0]["history"][-1]["rejections/mask_length"] == rejected
+    rejected = first["rejected_samples_by_rule"]["token_range"]
+    assert rejected >= 1 and runs[0]["history"][-1]["rejections/token_range"] == rejected
     _, history = mlflow_run(ids["mlflow"]["tracking_uri"], ids["mlflow"]["run_id"])
-    assert history["rejections/mask_length"][-1] == (2, rejected)
+    assert history["rejections/token_range"][-1] == (2, rejected)
     assert history["step/partial"] == [(0, 0.0), (1, 0.0), (2, 0.0)]
 
     second = run_job(out, "run.resume=true", "run.num_steps=50")

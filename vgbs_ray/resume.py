@@ -1,11 +1,8 @@
-"""What a resumed job does with a checkpoint's scheduler state, as pure functions (no Ray).
+"""A checkpoint's scheduler state as JSON, a pure function (no Ray).
 
-- `dataset_prompts_to_resend`: the Ray Data source has no cursor (the scheduler reads its rows,
-  the driver never sees them), so a resumed job sends again only the dataset prompts the
-  checkpoint does not hold whole; a rollout of those it already holds is rejected by rule.
 - `ledger_record`: every rollout's state in a checkpoint as JSON (the checkpoint's ledger.json).
 
-Both read a `SchedulerState` (vgbs_ray/scheduler_state.py): settled ids (trained with their step,
+It reads a `SchedulerState` (vgbs_ray/scheduler_state.py): settled ids (trained with their step,
 dropped with their reason) and the intake's untrained rollouts (ready, waiting for their group,
 partly received).
 """
@@ -16,17 +13,6 @@ from collections import Counter
 
 from vgbs_ray.scheduler_state import SchedulerState
 from vgbs_ray.settled_ids import SettledIds
-
-
-def dataset_prompts_to_resend(state: SchedulerState, prompt_rollout_ids: dict[int, list]) -> list[int]:
-    """The dataset prompts a resumed job sends again: every prompt one of whose rollouts the
-    checkpoint does not hold whole (unknown, or partly received). `prompt_rollout_ids`: prompt ->
-    its rollout ids. A prompt whose rollouts are all settled, buffered or waiting for their group
-    is skipped (sending it again would only be rejected)."""
-    settled = SettledIds.from_bytes(state.settled) if state.settled else SettledIds()
-    whole = {rid for part in (state.intake.ready, state.intake.waiting) for rid, _ in part}
-    return [prompt for prompt, ids in prompt_rollout_ids.items()
-            if not all(rid in whole or rid in settled for rid in ids)]
 
 
 def ledger_record(state: SchedulerState) -> dict:

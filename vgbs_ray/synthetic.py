@@ -6,7 +6,8 @@ cuts the trajectory into several training sequences, each with its own prompt an
 response. Lengths are lognormal (tokens); the reward is the share of response tokens in
 the lower half of the vocabulary, so a policy can actually learn to raise it.
 
-Pure numpy, deterministic for a given (seed, rollout number).
+Pure numpy, deterministic for a given generator state. `examples/synthetic_agent.py` hands these
+samples to the job as an agent (`ctx.add_sample`), without rollout engines.
 """
 
 from __future__ import annotations
@@ -41,9 +42,8 @@ class SyntheticRolloutConfig:
             raise ConfigError(f"max_samples_per_rollout must be >= 1, got {self.max_samples_per_rollout}")
 
 
-def synthetic_rollout(config: SyntheticRolloutConfig, rollout_id: str, group_id: str, group_size: int,
-                      rng: np.random.Generator) -> list[dict]:
-    """One rollout as sample dicts (the push API's payload), siblings sharing id and reward."""
+def synthetic_samples(config: SyntheticRolloutConfig, rng: np.random.Generator) -> tuple[list[dict], float]:
+    """One rollout's samples (tokens, response_length, loss_mask; no shared fields) and its reward."""
     num_samples = 1
     if config.max_samples_per_rollout > 1 and rng.random() < config.multi_sample_fraction:
         num_samples = int(rng.integers(2, config.max_samples_per_rollout + 1))
@@ -57,12 +57,7 @@ def synthetic_rollout(config: SyntheticRolloutConfig, rollout_id: str, group_id:
         low_tokens += int((tokens[prompt:] < config.vocab_size // 2).sum())
         response_tokens += response
         rows.append(dict(tokens=tokens, response_length=response, loss_mask=mask))
-    reward = round(low_tokens / max(response_tokens, 1), 2)
-    return [
-        dict(row, rollout_id=rollout_id, sample_index=i, rollout_size=num_samples, reward=reward,
-             group_id=group_id, group_size=group_size)
-        for i, row in enumerate(rows)
-    ]
+    return rows, round(low_tokens / max(response_tokens, 1), 2)
 
 
 def _lognormal_length(rng, mean: float, sigma: float, low: int, high: int) -> int:

@@ -6,9 +6,13 @@
         return 1.0 if row["expected"] in answer else 0.0
 
 The context is made by the producer once per rollout; it owns the rollout's sessions, and the
-rollout's samples are every session's segments, in the order the sessions were opened
-(`samples()`). `generate` goes to the job's engine pool (token ids in; token ids, behaviour
+rollout's samples are every session's segments and every `add_sample`, in the order they were
+opened or added (`samples()`). `generate` goes to the job's engine pool (token ids in; token ids, behaviour
 log-probs and policy version out) and records nothing: only what goes through a session is trained.
+
+`add_sample` records a sample the agent made without the engines (sampled elsewhere, replayed,
+or synthetic: `examples/synthetic_agent.py`); it is trained as given, and the scheduler validates
+it like any pushed sample.
 
 It holds no Ray handle itself: the producer passes `engine_generate`, an async callable
 (token ids, SamplingConfig) -> Generation, so agents and their tests run without a cluster.
@@ -18,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 from typing import Any, Awaitable, Callable, Hashable, Sequence
+
+import numpy as np
 
 from vgbs_ray.agents.generation import Generation, SamplingConfig
 from vgbs_ray.agents.session import ChatSession, SessionError, TextSession, TokenSession
@@ -48,7 +54,7 @@ class RolloutContext:
         """The rollout's session on the job's OpenAI-compatible endpoint (`EndpointSession`: base_url, api_key,
         reward_url) when the job serves one (closed_loop.endpoint.enabled), else None."""
         self._engine_generate = engine_generate
-        self._sessions: list[TokenSession | ChatSession] = []
+        self._sessions: list[TokenSession | TextSession | _AddedSample] = []
         self._requests = 0
 
     async def generate(self, token_ids: Sequence[int], sampling: SamplingConfig | None = None) -> Generation:
@@ -82,6 +88,32 @@ class RolloutContext:
         self._sessions.append(session)
         return session
 
+    def add_sample(self, token_ids: Sequence[int], loss_mask: Sequence[int], *,
+                   rollout_log_probs: Sequence[float] | None = None, policy_version: int | None = None) -> None:
+        """A sample this agent made itself: `token_ids` (prompt then response), `loss_mask` (one per response
+        token: 1 trained, 0 context), so the response is the last `len(loss_mask)` tokens. Behaviour
+        log-probs (one per response token) and the policy version that sampled it are optional: without
+        them the loss must be on-policy (train.loss.off_policy.max_staleness=0, policy_loss=ppo).
+        Nothing is checked here: the scheduler rejects a malformed sample, naming this rollout and the rule."""
+        row = dict(tokens=np.asarray(token_ids, dtype=np.int64), response_length=len(loss_mask),
+                   loss_mask=np.asarray(loss_mask, dtype=np.int8))
+        if rollout_log_probs is not None:
+            row["rollout_log_probs"] = np.asarray(rollout_log_probs, dtype=np.float32)
+        if policy_version is not None:
+            row["policy_version_min"] = row["policy_version_max"] = int(policy_version)
+        self._sessions.append(_AddedSample(row))
+
     def samples(self) -> list[dict]:
-        """Every session's samples in the order the sessions were opened (rows without the shared fields)."""
+        """Every session's samples and every added sample, in the order they were opened or added (rows
+        without the shared fields)."""
         return [row for session in self._sessions for row in session.samples()]
+
+
+class _AddedSample:
+    """One `add_sample` row, kept in order among the sessions."""
+
+    def __init__(self, row: dict):
+        self._row = row
+
+    def samples(self) -> list[dict]:
+        return [self._row]
