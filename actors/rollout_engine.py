@@ -161,6 +161,9 @@ class RolloutEngine:
         # engine loads a new version by starting a new LLM from the version's files instead.
         self.reload_by_restart = not config.on_gpu and _is_mixture_of_experts(model_dir)
         self._calls: queue.Queue[_Call] = queue.Queue()
+        self._loads: dict[int, WeightLoad] = {}  # versions loaded from the weight channel
+        self._load_waiters: dict[int, list[asyncio.Future]] = {}
+        self._channel_error: BaseException | None = None
         self._busy_s = self._idle_s = 0.0
         self._generate_batches = self._requests = 0
         threading.Thread(target=self._serve, name=f"{name}-vllm", daemon=True).start()
@@ -190,6 +193,60 @@ class RolloutEngine:
     async def update_weights(self, policy_version: int, weights: dict[str, np.ndarray]) -> WeightLoad:
         """Load `weights` (HF names) in place once the queued requests ran; later requests use them."""
         return await self._submit("update", (policy_version, weights))
+
+    async def open_weight_channel(self, address: str, rank: int, world_size: int, backend: str,
+                                  timeout_s: float) -> None:
+        """Join trainer rank 0's weight channel as `rank` (actors/weight_channel.py); returns once joined.
+        From then on a thread receives every version sent and queues its load like `update_weights`
+        (between batches); `weight_load(v)` says when version v is loaded."""
+        self._channel_error, self._loads = None, {}  # a new channel (a new train group): its own versions
+        loop = asyncio.get_running_loop()
+        joined = loop.create_future()
+        threading.Thread(target=self._receive_weights, name=f"{self.name}-weights", daemon=True,
+                         args=(address, rank, world_size, backend, timeout_s, loop, joined)).start()
+        await joined
+
+    async def weight_load(self, policy_version: int) -> WeightLoad:
+        """The load of `policy_version` from the weight channel, once it is done (the newest load when a later
+        version came first)."""
+        if self._channel_error is not None:
+            raise EngineError(f"{self.name}: the weight channel failed: {self._channel_error!r}")
+        done = [v for v in self._loads if v >= policy_version]
+        if done:
+            return self._loads[min(done)]
+        future = asyncio.get_running_loop().create_future()
+        self._load_waiters.setdefault(policy_version, []).append(future)
+        return await future
+
+    def _receive_weights(self, address, rank, world_size, backend, timeout_s, loop, joined) -> None:
+        from actors.weight_channel import WeightChannel
+
+        try:
+            channel = WeightChannel(address, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s)
+        except BaseException as error:  # noqa: BLE001 - the opener gets it
+            loop.call_soon_threadsafe(_settle, joined, joined.set_exception, error)
+            return
+        loop.call_soon_threadsafe(_settle, joined, joined.set_result, None)
+        try:
+            while (received := channel.receive()) is not None:
+                version, named = received
+                pending = asyncio.run_coroutine_threadsafe(self._submit("update", (version, dict(named))), loop)
+                loop.call_soon_threadsafe(self._loaded, pending.result())
+        except BaseException as error:  # noqa: BLE001 - the trainer went away (a recovery opens a new channel)
+            loop.call_soon_threadsafe(self._channel_failed, error)
+
+    def _loaded(self, load: WeightLoad) -> None:
+        self._loads[load.policy_version] = load
+        for version in [v for v in self._load_waiters if v <= load.policy_version]:
+            for future in self._load_waiters.pop(version):
+                _settle(future, future.set_result, load)
+
+    def _channel_failed(self, error: BaseException) -> None:
+        self._channel_error = error
+        for futures in self._load_waiters.values():
+            for future in futures:
+                _settle(future, future.set_exception, EngineError(f"{self.name}: the weight channel failed: {error!r}"))
+        self._load_waiters = {}
 
     def current_policy_version(self) -> int:
         return self.policy_version
@@ -270,7 +327,8 @@ class RolloutEngine:
         # The arrays are read-only views of the object store; vLLM only copies them into its parameters.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            tensors = [(name, torch.from_numpy(np.asarray(array))) for name, array in weights.items()]
+            tensors = [(name, array if isinstance(array, torch.Tensor) else torch.from_numpy(np.asarray(array)))
+                       for name, array in weights.items()]
         if self.reload_by_restart:
             self._restart_with(tensors, policy_version)
         else:
@@ -279,7 +337,7 @@ class RolloutEngine:
             self.llm.reset_prefix_cache()  # cached keys/values were computed by the old weights
         self.policy_version = policy_version
         return [WeightLoad(engine=self.name, policy_version=policy_version, load_time_s=time.perf_counter() - start,
-                           num_bytes=sum(np.asarray(a).nbytes for a in weights.values()))]
+                           num_bytes=sum(t.numel() * t.element_size() for _, t in tensors))]
 
     def _restart_with(self, tensors: list, policy_version: int) -> None:
         """A new LLM from this version's weights, written to a temporary directory with the start checkpoint's
@@ -434,6 +492,17 @@ class RolloutEnginePool:
     def update_weights(self, published: PublishedWeights) -> list[ray.ObjectRef]:
         """Every engine loads `published` after its queued requests; returns at once (see `wait_for_weights`)."""
         return [engine.update_weights.remote(published.policy_version, published.ref) for engine in self.engines]
+
+    def open_weight_channel(self, address: str, backend: str, timeout_s: float) -> list[ray.ObjectRef]:
+        """Every engine joins the weight channel at `address` (engine i as rank i + 1); returns at once:
+        the refs resolve once trainer rank 0 joined too."""
+        world_size = len(self.engines) + 1
+        return [engine.open_weight_channel.remote(address, i + 1, world_size, backend, timeout_s)
+                for i, engine in enumerate(self.engines)]
+
+    def weight_loads(self, policy_version: int) -> list[ray.ObjectRef]:
+        """Refs of every engine's load of `policy_version` from the weight channel (`WeightLoad`s)."""
+        return [engine.weight_load.remote(policy_version) for engine in self.engines]
 
     def utilization(self) -> list[EngineUtilization]:
         """Each engine's busy and idle time so far (see `EngineUtilization`)."""

@@ -36,6 +36,7 @@ class TrainActor:
         self.rank = rank
         self.info: RankInfo | None = None
         self.trainer = None
+        self._weight_channel = None
 
     def node_id(self) -> str:
         """The Ray node this rank runs on (placement checks)."""
@@ -107,8 +108,36 @@ class TrainActor:
         full = self.trainer.full_parameters()
         return put_hf_weights(full, self.config.model) if self.rank == 0 else None
 
+    def open_weight_channel(self, address: str, world_size: int, backend: str, timeout_s: float) -> None:
+        """Rank 0: host the weight channel to the engines (actors/weight_channel.py); blocks until they joined."""
+        from actors.weight_channel import WeightChannel
+
+        self._weight_channel = WeightChannel(address, rank=0, world_size=world_size, backend=backend,
+                                             timeout_s=timeout_s)
+
+    def send_weights(self, policy_version: int, bucket_bytes: int, dtype: str) -> tuple[int, float] | None:
+        """Weight sync over the channel: on global rank 0 (bytes sent, seconds), None on the other ranks of DP
+        replica 0, which must call it too (they gather the full weights together)."""
+        import time
+
+        from actors.weight_sync import hf_tensors_from_full
+
+        full = self.trainer.full_parameters()
+        if self.rank != 0:
+            return None
+        started = time.perf_counter()
+        tensors = hf_tensors_from_full(full, self.config.model, dtype=getattr(torch, dtype))
+        sent = self._weight_channel.send(tensors, policy_version=policy_version, bucket_bytes=bucket_bytes)
+        return sent, time.perf_counter() - started
+
     def shutdown(self) -> None:
         from actors.distributed import destroy_distributed
+
+        if self._weight_channel is not None:
+            try:
+                self._weight_channel.close()
+            except Exception as error:  # noqa: BLE001 - the engines may be gone already
+                log.info("rank 0: closing the weight channel: %r", error)
 
         destroy_distributed()
 

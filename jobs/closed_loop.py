@@ -39,7 +39,7 @@ import ray
 from actors.agent_producer import PRODUCER_NAME, AgentProducerConfig, PromptSpec, start_agent_producer
 from actors.hf_checkpoint import write_hf_checkpoint
 from actors.rollout_engine import RolloutEnginePool
-from actors.weight_sync import publish_weights
+from actors.weight_sync import WeightSyncConfig, open_weight_channel, publish_weights, send_weights
 
 log = logging.getLogger("vgbs.job")
 
@@ -106,6 +106,9 @@ class ClosedLoop:
     """Finished engine loads: (policy version, slowest engine's load time)."""
     restored_versions: list = field(default_factory=list)
     """Versions published again after a recovery restored the train group (`restore`)."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    channel_group: object = None
+    """The train group the engines' weight channel connects to (transport=collective)."""
 
     @classmethod
     def start(cls, config, scheduler, group, *, policy_version: int,
@@ -119,7 +122,8 @@ class ClosedLoop:
         tokenizer_dir = os.path.abspath(loop_config.tokenizer_dir) if loop_config.tokenizer_dir is not None else None
         if loop_config.enabled:
             model_dir = start_model_dir(config, group, policy_version)
-            loop = cls(engines=RolloutEnginePool(loop_config.engines, model_dir, policy_version=policy_version))
+            loop = cls(engines=RolloutEnginePool(loop_config.engines, model_dir, policy_version=policy_version),
+                       weight_sync=loop_config.weight_sync)
             tokenizer_dir = model_dir if tokenizer_dir is not None else None  # the engines' copy
         else:
             loop = cls(engines=None)
@@ -149,8 +153,15 @@ class ClosedLoop:
         if self.engines is None:
             return None
         started = time.perf_counter()
-        published = publish_weights(group, policy_version)
-        self.loads.append((policy_version, self.engines.update_weights(published)))
+        if self.weight_sync.transport == "collective":
+            if group is not self.channel_group:  # the first sync, or a recovery's new train group
+                open_weight_channel(group, self.engines, self.weight_sync)
+                self.channel_group = group
+            send_weights(group, policy_version, self.weight_sync)
+            self.loads.append((policy_version, self.engines.weight_loads(policy_version)))
+        else:
+            published = publish_weights(group, policy_version)
+            self.loads.append((policy_version, self.engines.update_weights(published)))
         self._collect_loads()
         return time.perf_counter() - started
 

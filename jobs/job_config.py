@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from actors.rollout_engine import EngineConfig
+from actors.weight_sync import WeightSyncConfig
 from actors.scheduler_api import SchedulerConfig
 from actors.train_config import LossConfig, ModelConfig, OptimizerConfig, TrainGroupConfig
 from jobs.config_loader import apply_overrides, config_from_mapping, describe, load_yaml
@@ -187,6 +188,8 @@ class ClosedLoopConfig:
     use, copied next to the policy's weights; None = token-id-only agents."""
     engines: EngineConfig = field(default_factory=lambda: EngineConfig(num_engines=1, max_model_len=32))
     """vLLM rollout engines (count, CPUs or GPUs each, max_model_len <= train.model.max_position_embeddings)."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """How each policy version reaches the engines: object_store (default) or collective, float32 or bfloat16."""
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_tokens=16, temperature=1.0, seed=0))
     """What a request without its own SamplingConfig uses; every request's seed is mixed with its rollout's."""
     num_producers: int = 2

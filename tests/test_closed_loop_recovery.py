@@ -4,7 +4,9 @@ The job (in this process, real engine, producers, scheduler and Megatron ranks) 
 group from the latest checkpoint, rewinds the scheduler, and publishes the restored weights to
 the engines as the restored step's version; every step of the final history trained once, with
 its policy version equal to its step and staleness within the bound. The kill happens at an
-event the job reports (`on_event`), never after a sleep. Slow: about a minute.
+event the job reports (`on_event`), never after a sleep. With either weight transport: over the
+weight channel, the new group's rank 0 opens a new channel to the same engines. Slow: about a
+minute each.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ KILL_AT = 6
 CHECKPOINT_EVERY = 4
 
 
-def test_a_rank_killed_mid_step_is_recovered_and_the_engines_get_the_restored_weights(ray_session, tmp_path):
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_a_rank_killed_mid_step_is_recovered_and_the_engines_get_the_restored_weights(ray_session, tmp_path, transport):
     config = load_job_config(None, [f"run.output_dir={tmp_path}", "run.num_steps=10",
-                                    f"run.checkpoint_every={CHECKPOINT_EVERY}", "run.plot=false"])
+                                    f"run.checkpoint_every={CHECKPOINT_EVERY}", "run.plot=false",
+                                    f"closed_loop.weight_sync.transport={transport}"])
 
     def kill_a_rank(event, step, controller):
         if event == "step_started" and step == KILL_AT and not controller.recoveries:

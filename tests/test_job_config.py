@@ -67,6 +67,8 @@ def test_overrides_change_only_the_named_keys():
         (["scheduler.batch.global_batch_size=1"], r"global_batch_size=1 rollouts is fewer than"),
         (["closed_loop.enabled=false", "scheduler.max_staleness=1"], r"max_staleness=1 needs rollout engines"),
         (["closed_loop.num_prompts=0"], r"closed_loop.num_prompts must be an integer >= 1"),
+        (["closed_loop.weight_sync.dtype=bfloat16"], r"dtype=bfloat16 needs weight_sync.transport=collective"),
+        (["closed_loop.weight_sync.transport=rdma"], r"transport must be object_store or collective"),
         (["closed_loop.sample_push_fraction=2"], r"closed_loop.sample_push_fraction must be in \[0, 1\]"),
         (["closed_loop.group_size=1"], r"closed_loop.group_size must be >= 2"),
         (["closed_loop.agent=my_agents.make"], r"closed_loop.agent='my_agents.make' must be an import path"),
