@@ -109,6 +109,8 @@ class ClosedLoop:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     channel_group: object = None
     """The train group the engines' weight channel connects to (transport=collective)."""
+    _start_producer: object = None
+    """(index, cursor) -> (actor, run ref): producer `index` started at `cursor` (set by `start`)."""
 
     @classmethod
     def start(cls, config, scheduler, group, *, policy_version: int,
@@ -138,14 +140,31 @@ class ClosedLoop:
                 max_sequence_length=config.train.model.max_position_embeddings, seed=loop_config.seed,
                 endpoint_host=endpoint.host if endpoint.enabled else None,
                 endpoint_token=endpoint_token(config.run.output_dir) if endpoint.enabled else None)
+            loop._start_producer = lambda index, cursor: start_agent_producer(  # noqa: SLF001 - set once, here
+                index, producer_config, scheduler, client, prompts, cursor=cursor, name=PRODUCER_NAME.format(index))
             for index in range(loop_config.num_producers):
                 cursor = cursors[index] if cursors and index < len(cursors) else None
-                loop.producers.append(start_agent_producer(index, producer_config, scheduler, client, prompts,
-                                                           cursor=cursor, name=PRODUCER_NAME.format(index)))
+                loop.producers.append(loop._start_producer(index, cursor))  # noqa: SLF001
         except BaseException:
             loop.shutdown()
             raise
         return loop
+
+    def restart_producer(self, index: int, cursor: dict | None, timeout_s: float = 60.0) -> tuple:
+        """Producer `index` again, from `cursor` (its cursor at the latest checkpoint: what it pushed since is
+        pushed again and the scheduler rejects what it holds); replaces it in `producers`. The dead actor's
+        name may take a moment to free."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                pair = self._start_producer(index, cursor)
+                break
+            except ValueError:  # the name is still the dead actor's
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        self.producers[index] = pair
+        return pair
 
     def publish(self, group, policy_version: int) -> float | None:
         """Weight sync after a step (or a restore): returns the trainer-side seconds (export + store), or

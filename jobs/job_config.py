@@ -51,7 +51,8 @@ class RunConfig:
     (each checkpoint of the demo's tiny model and ledger holds ~4 MB)."""
     max_failures: int = 2
     """Train-group failures (a dead rank, a failed or hung step) recovered in the job: tear the group
-    down, start a new one from the latest checkpoint, replay the steps after it. 0 = fail fast."""
+    down, start a new one from the latest checkpoint, replay the steps after it. Also the restarts each
+    producer gets when its actor dies (from the latest checkpoint's cursor). 0 = fail fast."""
     resume: bool = False
     """Resume from the latest checkpoint in output_dir/checkpoints."""
     ray_address: str = "local"

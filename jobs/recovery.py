@@ -95,7 +95,7 @@ class TrainController:
     def attach_producers(self, producers: list, cursors: list | None = None) -> None:
         """The job's producers ((actor, run ref) pairs, in producer-index order) whose cursors each
         checkpoint saves; `cursors`: where they started (None: from their first prompt)."""
-        self._producers = list(producers)
+        self._producers = producers  # the job's list: a restarted producer replaces its entry
         self._cursors = list(cursors or [None] * len(producers))
 
     @property
@@ -120,6 +120,11 @@ class TrainController:
         if self.retains:
             ray.get(self.scheduler.checkpointed.remote(next_step), timeout=60)
         return path
+
+    def cursor_of(self, index: int) -> dict | None:
+        """Producer `index`'s cursor at the latest checkpoint (None: from its first prompt), where a
+        restarted producer starts."""
+        return self._cursors[index] if index < len(self._cursors) else None
 
     def _take_cursors(self) -> list:
         self._cursors = producer_cursors(self._producers, self._cursors)

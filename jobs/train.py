@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 
 import ray
@@ -43,6 +42,7 @@ from jobs.closed_loop import ClosedLoop
 from jobs.job_config import JobConfig, load_job_config, options_help
 from jobs.job_metrics import JobMetrics
 from jobs.metric_names import counters_from_stats, step_values
+from jobs.producer_watch import ProducerWatch, stop_producers
 from jobs.progress import StepLine, StepRecorder, plot_records, read_records
 from jobs.recovery import JobFailedError, TrainController
 from jobs.tracking import Tracker
@@ -113,59 +113,6 @@ def check_cluster_fits(config: JobConfig, resources: dict[str, float]) -> None:
             )
 
 
-class ProducerWatch(threading.Thread):
-    """A driver thread: once every producer returned (finished, or stopped by the driver), tell
-    the scheduler no more input comes. Join it (`stop_producers`) before the scheduler goes.
-    `outcome()` says how the producers ended, for the summary."""
-
-    def __init__(self, scheduler, producers, timeout_s: float):
-        super().__init__(name="close-input", daemon=True)
-        self._scheduler, self._producers, self._timeout_s = scheduler, producers, timeout_s
-        self.reports: list = []
-        self.failed = 0
-        self.input_closed = False
-
-    def run(self) -> None:
-        for _, ref in self._producers:
-            try:
-                self.reports.append(ray.get(ref, timeout=self._timeout_s))
-            except Exception as error:  # noqa: BLE001 - a failed producer ends its input; training goes on
-                self.failed += 1
-                log.error("a producer failed: %r", error)
-        try:
-            ray.get(self._scheduler.end_of_input.remote(), timeout=self._timeout_s)
-            self.input_closed = True
-        except ray.exceptions.RayActorError:
-            log.error("end of input not recorded: the scheduler is gone")
-        except Exception as error:  # noqa: BLE001 - reported; the driver decides the run's outcome
-            log.error("end of input failed: %r", error)
-
-    def outcome(self) -> dict:
-        return {"finished": sum(not r.stopped for r in self.reports), "stopped": sum(r.stopped for r in self.reports),
-                "failed": self.failed, "abandoned_rollouts": sum(r.abandoned_rollouts for r in self.reports),
-                "input_closed": self.input_closed}
-
-
-def close_input_when_producers_finish(scheduler, producers, timeout_s: float) -> ProducerWatch:
-    """Start the ProducerWatch of `producers` (see there)."""
-    watch = ProducerWatch(scheduler, producers, timeout_s)
-    watch.start()
-    return watch
-
-
-def stop_producers(producers, close_input: ProducerWatch | None, timeout_s: float = 60.0) -> None:
-    """The end of a run, producers first: ask each to stop (abandoned rollouts end incomplete at
-    end of input), then wait for their input to be closed, so none pushes into a dead scheduler."""
-    stops = [actor.stop.remote() for actor, _ in producers]
-    if close_input is not None:
-        close_input.join(timeout_s)
-        if close_input.is_alive():
-            log.error("producers did not stop within %.0f s; ending the run anyway", timeout_s)
-    ray.wait(stops, num_returns=len(stops), timeout=timeout_s)  # a stop() still running when killed fails
-    for actor, _ in producers:  # idle now (their run and stop returned): going away fails no task
-        ray.kill(actor)
-
-
 def step_line(result, record) -> StepLine:
     return StepLine(
         step=result.step, num_rollouts=result.num_rollouts, num_samples=record.num_samples,
@@ -217,7 +164,10 @@ def train(config: JobConfig, records_path: str, on_event=None) -> dict:
                    if loop.engines is not None else "no rollout engines")
         print(f"rollouts: {engines}, {len(producers)} producers of {config.closed_loop.agent} "
               f"({time.monotonic() - started:.1f} s)", flush=True)
-        close_input = close_input_when_producers_finish(scheduler, producers, timeout_s=600)
+        # A producer that dies restarts from the latest checkpoint's cursor (jobs/producer_watch.py).
+        close_input = ProducerWatch(scheduler, producers, max_restarts=config.run.max_failures,
+                                    restart=lambda index: loop.restart_producer(index, controller.cursor_of(index)))
+        close_input.start()
 
         start = time.monotonic()
         recorder = StepRecorder(records_path, append=resume_from is not None) if "jsonl" in config.run.loggers else None

@@ -9,8 +9,10 @@
 - Scheduler loss: the SchedulerActor killed mid-run: the job stops within a bounded time with a
   message saying what was lost (never hangs).
 - Producer loss: one AgentProducer killed right after it pushed some siblings of a rollout but
-  not all: that rollout ends `incomplete_rollout` (its group's others `incomplete_group`), every
-  other rollout trains, the ledger check passes, the job ends cleanly.
+  not all. Restarted from the latest checkpoint's cursor (run.max_failures > 0): every rollout
+  trains once, the held one too. Not restarted (run.max_failures=0): that rollout ends
+  `incomplete_rollout` (its group's others `incomplete_group`), every other rollout trains. The
+  ledger check passes, the job ends cleanly.
 
 The job runs the synthetic preset (tests/resume_support.py: examples/synthetic_agent.py, no engines). Resuming across a killed driver
 is tests/test_resume_killed_driver.py.
@@ -167,12 +169,13 @@ def test_a_killed_scheduler_stops_the_run_with_what_was_lost(ray_session, tmp_pa
     print(f"scheduler loss: stopped {stopped_after_s:.1f} s after the kill")
 
 
-def test_a_producer_killed_mid_rollout_leaves_that_rollout_incomplete_and_the_rest_trains(ray_session, tmp_path):
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_producer_killed_mid_rollout_is_restarted_or_leaves_that_rollout_incomplete(ray_session, tmp_path, restart):
     killed = {}
 
     def kill_producer_mid_rollout(event, step, controller):
         """Before the first step: hold producer 0 right after a push that sent only some siblings of a
-        rollout, then kill it there (the held rollout can never complete)."""
+        rollout, then kill it there."""
         if event != "step_started" or killed:
             return
         producer = ray.get_actor(PRODUCER_NAME.format(0))
@@ -185,28 +188,40 @@ def test_a_producer_killed_mid_rollout_leaves_that_rollout_incomplete_and_the_re
         ray.kill(producer, no_restart=True)
 
     # Every group pushed sample by sample, one group at a time per producer; no malformed ones (every
-    # incomplete rollout below is the kill's).
-    summary, history = run_job(tmp_path / "producer", on_event=kill_producer_mid_rollout, extra=[
+    # incomplete rollout below is the kill's). run.max_failures=0: the dead producer stays dead.
+    out = tmp_path / "producer"
+    summary, history = run_job(out, on_event=kill_producer_mid_rollout, extra=[
         "closed_loop.num_prompts=20", "closed_loop.agent_kwargs.max_delay_s=0.3", "closed_loop.groups_in_flight=1",
         "closed_loop.prompts_kwargs.bad_rollout_fraction=0", "closed_loop.sample_push_fraction=1.0",
-        "closed_loop.agent_kwargs.multi_sample_fraction=0.8"])
+        "closed_loop.agent_kwargs.multi_sample_fraction=0.8", f"run.max_failures={2 if restart else 0}"])
 
     assert killed["held"], killed
-    assert summary["producers"]["failed"] == 1 and summary["producers"]["input_closed"]
-    with open(latest_checkpoint(str(tmp_path / "producer")) + "/ledger.json") as handle:
+    assert summary["producers"]["input_closed"]
+    with open(latest_checkpoint(str(out)) + "/ledger.json") as handle:
         ledger = json.load(handle)["rollouts"]
-    # The killed producer's partly pushed rollouts end incomplete (reported), never trained.
-    for rid in killed["held"]:
-        assert ledger[rid] == ["dropped", None, "incomplete_rollout"], (rid, ledger.get(rid))
-    assert summary["dropped_by_reason"]["incomplete_rollout"] == len(killed["held"])
-    assert summary["incomplete_rollouts"] >= len(killed["held"])
-    # Everything the others produced trains (or is dropped by the uniform-reward filter).
-    others = {rid: state for rid, state in ledger.items() if position(rid) % 2 == 1}
-    assert len(others) == 10 * 2
-    assert all(state[0] == "trained" or state[2] == "uniform_group_reward" for state in others.values()), others
+    trained_or_filtered = {rid for rid, state in ledger.items()
+                           if state[0] == "trained" or state[2] == "uniform_group_reward"}
+    if restart:
+        # Restarted from its cursor: it answered its prompts from there again, the held rollouts
+        # among them; what the scheduler already held was rejected, every rollout trained once.
+        assert summary["producers"]["failed"] == 0 and [r["producer"] for r in summary["producers"]["restarts"]] == [0]
+        assert set(ledger) == trained_or_filtered and len(ledger) == 20 * 2
+        assert "incomplete_rollout" not in summary["dropped_by_reason"]
+        assert sum(summary["rejected_samples_by_rule"].get(rule, 0)
+                   for rule in ("duplicate_sample", "already_complete", "already_scheduled")) >= 1
+    else:
+        # The killed producer's partly pushed rollouts end incomplete (reported), never trained.
+        assert summary["producers"]["failed"] == 1 and summary["producers"]["restarts"] == []
+        for rid in killed["held"]:
+            assert ledger[rid] == ["dropped", None, "incomplete_rollout"], (rid, ledger.get(rid))
+        assert summary["dropped_by_reason"]["incomplete_rollout"] == len(killed["held"])
+        assert summary["incomplete_rollouts"] >= len(killed["held"])
+        # Everything the other producer made trains (or is dropped by the uniform-reward filter).
+        others = {rid for rid in ledger if position(rid) % 2 == 1}
+        assert len(others) == 10 * 2 and others <= trained_or_filtered
     # The final history trains each trained rollout once; train() ran the ledger check at the end.
     flat = [rid for ids in history for rid in ids]
     assert len(flat) == len(set(flat)) == summary["rollouts_trained"]
     assert {rid for rid, state in ledger.items() if state[0] == "trained"} == set(flat)
-    print(f"producer killed holding {killed['held']}: {summary['dropped_by_reason']}, "
-          f"{summary['rollouts_trained']} rollouts trained")
+    print(f"producer killed holding {killed['held']} (restart={restart}): {summary['dropped_by_reason']}, "
+          f"{summary['rollouts_trained']} rollouts trained, restarts {summary['producers']['restarts']}")
