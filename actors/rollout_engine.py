@@ -542,8 +542,10 @@ class RolloutEnginePool:
             raise engine_error(error, engine_name, what) from error
 
     def shutdown(self) -> None:
-        for engine in self.engines:
-            ray.kill(engine, no_restart=True)
+        """End the engines (gracefully: `actors/shutdown.py`), then free their placement group."""
+        from actors.shutdown import terminate
+
+        terminate(self.engines)
         self.engines = []
         if self._pg is not None:
             remove_placement_group(self._pg)

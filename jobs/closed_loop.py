@@ -39,6 +39,7 @@ import ray
 from actors.agent_producer import PRODUCER_NAME, AgentProducerConfig, PromptSpec, start_agent_producer
 from actors.hf_checkpoint import write_hf_checkpoint
 from actors.rollout_engine import RolloutEnginePool
+from actors.shutdown import terminate
 from actors.weight_sync import WeightSyncConfig, open_weight_channel, publish_weights, send_weights
 
 log = logging.getLogger("vgbs.job")
@@ -222,8 +223,7 @@ class ClosedLoop:
         return sum(u.idle_s for u in usage) / total if total > 0 else 0.0
 
     def shutdown(self) -> None:
-        for actor, _ in self.producers:
-            ray.kill(actor)
+        terminate([actor for actor, _ in self.producers])
         self.producers = []
         if self.engines is not None:
             self.engines.shutdown()

@@ -26,6 +26,8 @@ from typing import Callable
 
 import ray
 
+from actors.shutdown import terminate
+
 log = logging.getLogger("vgbs.job")
 
 _POLL_S = 1.0
@@ -104,5 +106,4 @@ def stop_producers(producers: list, watch: ProducerWatch | None, timeout_s: floa
         if watch.is_alive():
             log.error("producers did not stop within %.0f s; ending the run anyway", timeout_s)
     ray.wait(stops, num_returns=len(stops), timeout=timeout_s)  # a stop() still running when killed fails
-    for actor, _ in list(producers):  # idle now (their run and stop returned): going away fails no task
-        ray.kill(actor)
+    terminate([actor for actor, _ in producers])  # idle now (their run and stop returned)

@@ -36,6 +36,7 @@ import time
 import ray
 
 from actors.scheduler_actor import create_scheduler
+from actors.shutdown import terminate
 from actors.train_group import PlacementGroupTimeoutError, TrainStepError
 from jobs.checkpoint import latest_checkpoint, load_resume_point
 from jobs.closed_loop import ClosedLoop
@@ -179,7 +180,7 @@ def train(config: JobConfig, records_path: str, on_event=None) -> dict:
                 recorder.close()
         elapsed = time.monotonic() - start
         stop_producers(producers, close_input)
-        producers = []
+        producers.clear()  # the loop's list too: stopped and ended once
         # Steps emitted past the last trained one (run.num_steps reached) never train: dropped as run_ended.
         ray.get(scheduler.drop_untrained.remote(first_step + len(trained)), timeout=60)
         stats = ray.get(scheduler.stats.remote(check_ledger=True), timeout=60)
@@ -205,7 +206,7 @@ def train(config: JobConfig, records_path: str, on_event=None) -> dict:
             ray.get(scheduler.close.remote(), timeout=10)
         except Exception:  # noqa: BLE001 - best effort on the way out
             pass
-        ray.kill(scheduler)
+        terminate([scheduler])
 
 
 RECOVERABLE_ERRORS = (TrainStepError, PlacementGroupTimeoutError, ray.exceptions.RayActorError,

@@ -7,6 +7,7 @@ touches the user's ~/.ray/auth_token."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import pathlib
@@ -141,7 +142,11 @@ def in_user_shell(command: str) -> list[str]:
     return ["bash", "-c", f"{README_PRELUDE} && {command}"]
 
 
-def test_readme_cluster_commands_run_the_job_under_token_auth_and_refuse_a_client_without_the_token(tmp_path):
+@contextlib.contextmanager
+def token_auth_head(tmp_path: pathlib.Path):
+    """A Ray head started with the README's commands in a user's shell (token made with `ray
+    get-auth-token --generate`, `ray start --head`), on ports and a temp dir of its own; yields
+    (dashboard address, token, the shell's env) once the dashboard answers the token. Stopped after."""
     home = tmp_path / "home"
     home.mkdir()
     env = user_shell_env(home)
@@ -179,6 +184,28 @@ def test_readme_cluster_commands_run_the_job_under_token_auth_and_refuse_a_clien
             alive = head.poll() is None and time.monotonic() < deadline
             assert alive, (tmp_path / "head.log").read_text()[-3000:]
             time.sleep(0.5)
+        yield address, token, env, metrics_port, gcs_port
+    finally:
+        head.terminate()  # ray start --block drains and stops this cluster's processes only
+        try:
+            head.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+        log.close()
+        shutil.rmtree(ray_temp_dir, ignore_errors=True)
+
+
+def failed_tasks(address: str, token: str) -> list[tuple]:
+    """(function, error type) of every FAILED task the cluster's state API knows (`ray list tasks
+    --filter state=FAILED`)."""
+    code, body = http("GET", f"{address}/api/v0/tasks?filter_keys=state&filter_predicates=%3D&filter_values=FAILED",
+                      token=token)
+    assert code == 200, body
+    return [(t["func_or_class_name"], t.get("error_type")) for t in json.loads(body)["data"]["result"]["result"]]
+
+
+def test_readme_cluster_commands_run_the_job_under_token_auth_and_refuse_a_client_without_the_token(tmp_path):
+    with token_auth_head(tmp_path) as (address, token, env, metrics_port, _):
         # Without the token the job API answers 401, with a wrong one 403; nothing runs.
         assert http("GET", address + "/api/version")[0] == 401
         assert http("POST", address + "/api/jobs/", body={"entrypoint": "echo unauthenticated"})[0] == 401
@@ -227,20 +254,26 @@ def test_readme_cluster_commands_run_the_job_under_token_auth_and_refuse_a_clien
         assert code == 200, body
         logs = json.loads(body)["logs"]
         (tmp_path / "job.log").write_text(logs)  # kept for a failure's post-mortem
-        # The driver, the SchedulerActor, the producers, Ray Data and the TrainActors all ran
-        # under token auth: the job trained and finished.
+        # The driver, the SchedulerActor, the producers and the TrainActors all ran under token
+        # auth: the job trained and finished.
         assert job_status == "SUCCEEDED", logs[-3000:]
+        assert failed_tasks(address, token) == []  # a finished run fails no task
         assert len(step_lines(logs)) >= 3 and "summary:" in logs
         assert step_rollouts is not None and 1 <= step_rollouts <= GLOBAL_BATCH_SIZE
         # Megatron's "Transformer Engine / Apex not installed" comes out at most once per process.
         said = collections.Counter(re.search(r"pid=(\d+)", line).group(1) if "pid=" in line else "driver"
                                    for line in logs.splitlines() if "not installed" in line)
         assert max(said.values(), default=0) <= 1, said
-    finally:
-        head.terminate()  # ray start --block drains and stops this cluster's processes only
-        try:
-            head.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-        log.close()
-        shutil.rmtree(ray_temp_dir, ignore_errors=True)
+
+
+def test_a_closed_loop_run_that_succeeds_fails_no_task(tmp_path):
+    """The closed loop's engines, scheduler and producers end gracefully (actors/shutdown.py): with
+    `ray.kill` the tasks they finished in their last second show as FAILED (WORKER_DIED)."""
+    with token_auth_head(tmp_path) as (address, token, env, _, gcs_port):
+        done = subprocess.run(
+            in_user_shell(f"python -m jobs.train --set run.ray_address=127.0.0.1:{gcs_port} --set run.num_steps=3 "
+                          f"--set run.output_dir={tmp_path / 'closed-loop'} --set run.plot=false"),
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        assert len(step_lines(done.stdout)) == 3
+        assert failed_tasks(address, token) == []

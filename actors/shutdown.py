@@ -1,0 +1,37 @@
+"""Ending actors gracefully, so a finished run shows no failed task.
+
+    terminate(actors, timeout_s=10)
+
+`ray.kill` ends a worker at once: the events of the tasks it finished in its last second are not
+yet reported (workers report task events about once a second), and the dashboard then shows
+those tasks as FAILED (`WORKER_DIED`) although they returned. `terminate` asks each actor to exit
+after the calls queued before it (`__ray_terminate__`: the worker exits as intended and reports
+what it ran), waits up to `timeout_s` for every one to be gone, and kills those still there.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import ray
+
+_EXITED = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError)
+
+
+def terminate(actors: Sequence, timeout_s: float = 10.0) -> None:
+    """End `actors` (handles; dead ones are skipped) as the module docstring says."""
+    exits = []
+    for actor in actors:
+        try:
+            exits.append((actor, actor.__ray_terminate__.remote()))
+        except _EXITED:
+            pass
+    deadline = time.monotonic() + timeout_s
+    for actor, exit_ref in exits:
+        try:
+            ray.get(exit_ref, timeout=max(deadline - time.monotonic(), 0.01))
+        except _EXITED:
+            pass  # it exited: the call's answer is the actor's end
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(actor, no_restart=True)
