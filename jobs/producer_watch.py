@@ -61,7 +61,14 @@ class ProducerWatch(threading.Thread):
             del running[index]
             try:
                 self.reports.append(ray.get(ready[0]))
-            except ray.exceptions.RayActorError as error:
+            except Exception as error:  # noqa: BLE001 - a failed producer ends its input; training goes on
+                # The actor itself died (not its `run` raising, e.g. because the scheduler died: Ray makes that
+                # RayTaskError an instance of its cause too).
+                died = isinstance(error, ray.exceptions.RayActorError) and not isinstance(error, ray.exceptions.RayTaskError)
+                if not died:
+                    self.failed += 1
+                    log.error("producer %d failed: %r", index, error)
+                    continue
                 if self._restart is None or self.stopping.is_set() or restarts[index] >= self._max_restarts:
                     self.failed += 1
                     log.error("producer %d died and is not restarted (%d restarts of %d): %r", index,
@@ -69,7 +76,12 @@ class ProducerWatch(threading.Thread):
                     continue
                 restarts[index] += 1
                 started = time.monotonic()
-                actor, running[index] = self._restart(index)
+                try:
+                    actor, running[index] = self._restart(index)
+                except Exception as restart_error:  # noqa: BLE001 - e.g. the scheduler is gone too
+                    self.failed += 1
+                    log.error("producer %d died; its restart failed: %r", index, restart_error)
+                    continue
                 if self.stopping.is_set():  # the run ended while it restarted: stop_producers did not see it
                     actor.stop.remote()
                 record = {"producer": index, "at_s": round(started - self._began, 2),
@@ -77,9 +89,6 @@ class ProducerWatch(threading.Thread):
                 self.restarts.append(record)
                 log.warning("producer %d died (%s); restarted from the latest checkpoint's cursor in %.1f s", index,
                             record["cause"], record["restart_s"])
-            except Exception as error:  # noqa: BLE001 - a failed producer ends its input; training goes on
-                self.failed += 1
-                log.error("producer %d failed: %r", index, error)
         try:
             ray.get(self._scheduler.end_of_input.remote(), timeout=self._timeout_s)
             self.input_closed = True
