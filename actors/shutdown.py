@@ -6,7 +6,8 @@
 yet reported (workers report task events about once a second), and the dashboard then shows
 those tasks as FAILED (`WORKER_DIED`) although they returned. `terminate` asks each actor to exit
 after the calls queued before it (`__ray_terminate__`: the worker exits as intended and reports
-what it ran), waits up to `timeout_s` for every one to be gone, and kills those still there.
+what it ran), waits up to `timeout_s` for every one to be gone, then kills each (a no-op for one that
+exited, but it frees a named actor's name at once).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def terminate(actors: Sequence, timeout_s: float = 10.0) -> None:
     for actor, exit_ref in exits:
         try:
             ray.get(exit_ref, timeout=max(deadline - time.monotonic(), 0.01))
-        except _EXITED:
-            pass  # it exited: the call's answer is the actor's end
-        except ray.exceptions.GetTimeoutError:
-            ray.kill(actor, no_restart=True)
+        except (*_EXITED, ray.exceptions.GetTimeoutError):
+            pass  # it exited (the call's answer is the actor's end), or it is stuck
+        # Exited or not: the kill frees the actor's name now (after a graceful exit alone it stays taken a
+        # while, and a next run reusing the name fails), and ends one that is stuck.
+        ray.kill(actor, no_restart=True)
