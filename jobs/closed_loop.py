@@ -110,8 +110,8 @@ class ClosedLoop:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     channel_group: object = None
     """The train group the engines' weight channel connects to (transport=collective)."""
-    _start_producer: object = None
-    """(index, cursor) -> (actor, run ref): producer `index` started at `cursor` (set by `start`)."""
+    producer_args: tuple = ()
+    """(AgentProducerConfig, scheduler, engine client, PromptSpec): what every producer starts with (set by `start`)."""
 
     @classmethod
     def start(cls, config, scheduler, group, *, policy_version: int,
@@ -141,15 +141,20 @@ class ClosedLoop:
                 max_sequence_length=config.train.model.max_position_embeddings, seed=loop_config.seed,
                 endpoint_host=endpoint.host if endpoint.enabled else None,
                 endpoint_token=endpoint_token(config.run.output_dir) if endpoint.enabled else None)
-            loop._start_producer = lambda index, cursor: start_agent_producer(  # noqa: SLF001 - set once, here
-                index, producer_config, scheduler, client, prompts, cursor=cursor, name=PRODUCER_NAME.format(index))
+            loop.producer_args = (producer_config, scheduler, client, prompts)
             for index in range(loop_config.num_producers):
                 cursor = cursors[index] if cursors and index < len(cursors) else None
-                loop.producers.append(loop._start_producer(index, cursor))  # noqa: SLF001
+                loop.producers.append(loop.start_producer(index, cursor))
         except BaseException:
             loop.shutdown()
             raise
         return loop
+
+    def start_producer(self, index: int, cursor: dict | None) -> tuple:
+        """Producer `index` (actor named vgbs-producer-{index}) from `cursor`, as an (actor, run ref) pair."""
+        config, scheduler, client, prompts = self.producer_args
+        return start_agent_producer(index, config, scheduler, client, prompts, cursor=cursor,
+                                    name=PRODUCER_NAME.format(index))
 
     def restart_producer(self, index: int, cursor: dict | None, timeout_s: float = 60.0) -> tuple:
         """Producer `index` again, from `cursor` (its cursor at the latest checkpoint: what it pushed since is
@@ -158,7 +163,7 @@ class ClosedLoop:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                pair = self._start_producer(index, cursor)
+                pair = self.start_producer(index, cursor)
                 break
             except ValueError:  # the name is still the dead actor's
                 if time.monotonic() > deadline:

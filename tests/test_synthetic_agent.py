@@ -1,7 +1,7 @@
 """The synthetic preset's agent (examples/synthetic_agent.py) and `ctx.add_sample`, without Ray: the
 samples an agent adds are its rollout's, in order with its sessions, and validate as the scheduler
 will validate them; the agent's shapes (several samples, uniform groups, one malformed sample in a
-bad group) are there; the job's synthetic preset names this agent and no engines."""
+bad group) are there (tests/test_job_config.py: the synthetic preset names this agent)."""
 
 from __future__ import annotations
 
@@ -83,10 +83,3 @@ def test_the_synthetic_agent_makes_several_samples_and_uniform_and_bad_groups():
     assert min(kinds.values()) >= 3, kinds
     assert {1, 2, 3, 4} <= sizes  # 1..max_samples_per_rollout samples per rollout
 
-
-def test_the_synthetic_preset_runs_this_agent_without_engines():
-    from jobs.job_config import load_job_config
-
-    loop = load_job_config(None, ["closed_loop.enabled=false"]).closed_loop
-    assert loop.agent == "examples.synthetic_agent:make_agent" and loop.tokenizer_dir is None
-    assert not loop.enabled and 0 < loop.sample_push_fraction < 1
