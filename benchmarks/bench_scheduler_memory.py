@@ -15,7 +15,7 @@ nothing about what the scheduler keeps (both are printed). The last two columns 
 memory is: CPython's small-object allocator (1 MiB arenas mapped, bytes of live blocks in them) and
 glibc malloc (bytes in use, free bytes it still holds).
 
-What the growth is (2026-11-30, 2 loaded cores; see the README's figures): the scheduler keeps the
+What the growth is (2026-11-30, 2 loaded cores; see docs/benchmarks.md): the scheduler keeps the
 settled table per rollout and nothing else. The same RolloutIntake/Ledger loop run in one process
 without Ray (same rows, 100k -> 300k) grows by 33.5 bytes per rollout, the table's 33.0; tracemalloc
 puts all of it in SettledIds' arrays. In the actor, the gc-tracked object count, pymalloc's live

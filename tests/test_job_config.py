@@ -1,4 +1,4 @@
-"""The job's configuration: defaults, overrides, start-up errors, and cluster.yaml vs the README."""
+"""The job's configuration: defaults, overrides, start-up errors, and cluster.yaml vs docs/cluster.md."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ def test_closed_loop_off_switches_to_the_synthetic_defaults_and_explicit_keys_st
     assert config.closed_loop.agent == "examples.synthetic_agent:make_agent"
     assert config.closed_loop.prompts == "examples.synthetic_agent:make_prompts"
     assert config.closed_loop.tokenizer_dir is None and config.closed_loop.num_prompts == 30
+    assert 0 < config.closed_loop.sample_push_fraction < 1
     assert config.train.optimizer.lr_schedule.lr == 1e-4
     mine = load_job_config(None, ["closed_loop.enabled=false", "scheduler.batch.global_batch_size=6"])
     assert mine.scheduler.batch.global_batch_size == 6
@@ -126,9 +127,10 @@ def test_a_bad_config_exits_with_a_message_not_a_traceback():
     assert "Traceback" not in result.stderr
 
 
-def test_cluster_yaml_names_the_setup_the_readme_describes():
+def test_cluster_yaml_names_the_setup_the_cluster_page_describes():
     cluster = yaml.safe_load((ROOT / "cluster.yaml").read_text())
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "cluster.md").read_text()  # the page the README sends cluster users to
+    assert "docs/cluster.md" in (ROOT / "README.md").read_text()
     head = cluster["available_node_types"][cluster["head_node_type"]]
     workers = {name: node for name, node in cluster["available_node_types"].items() if name != cluster["head_node_type"]}
     assert "GPU" not in head["resources"]
