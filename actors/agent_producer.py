@@ -466,8 +466,7 @@ class AgentProducer:
         """The oldest policy version any engine holds (a rollout may be sampled by any of them); 0 without engines."""
         if self._engines is None:
             return 0
-        versions = await asyncio.gather(*[e.current_policy_version.remote() for e in self._engines.engines])
-        return min(versions)
+        return await self._engines.policy_version()
 
     async def _push(self, samples: list[dict]) -> bool:
         while samples:

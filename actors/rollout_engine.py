@@ -120,6 +120,8 @@ class EngineUtilization:
     """Waiting for a call: nothing queued (producers not asking: the engine has spare capacity)."""
     generate_batches: int
     requests: int
+    requests_waiting_for_version: int = 0
+    """A replacement engine's requests held until it loads the version it serves from."""
 
     @property
     def idle_share(self) -> float:
@@ -138,12 +140,19 @@ class _Call:
 class RolloutEngine:
     """One vLLM engine (see module docstring). Made remote by `RolloutEnginePool` only."""
 
-    def __init__(self, config: EngineConfig, model_dir: str, name: str, policy_version: int = 0):
+    def __init__(self, config: EngineConfig, model_dir: str, name: str, policy_version: int = 0,
+                 serve_from_version: int | None = None):
         from vllm import LLM
 
         self.config = config
         self.name = name
         self.policy_version = policy_version
+        # A replacement engine (RolloutEnginePool.replace) starts from the job's first weights but must not sample
+        # with them: its generate calls wait until a load brings it to the version the others serve.
+        self._serve_from = serve_from_version
+        self._serving: asyncio.Event | None = None
+        self._waiting_for_version = 0
+        self._call_started: float | None = None  # when the engine thread began its current batch or load
         # With the checkpoint's tokenizer the engine can end responses on stop strings; token-id-only
         # checkpoints skip it (requests are token ids either way).
         self.has_tokenizer = has_tokenizer(model_dir)
@@ -164,6 +173,7 @@ class RolloutEngine:
         self._loads: dict[int, WeightLoad] = {}  # versions loaded from the weight channel
         self._load_waiters: dict[int, list[asyncio.Future]] = {}
         self._channel_error: BaseException | None = None
+        self._channel_generation = 0
         self._busy_s = self._idle_s = 0.0
         self._generate_batches = self._requests = 0
         threading.Thread(target=self._serve, name=f"{name}-vllm", daemon=True).start()
@@ -179,6 +189,7 @@ class RolloutEngine:
         every prompt (request i seeded seed + i) or one config per prompt (each seed as given)."""
         prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
         samplings = _per_prompt(sampling, len(prompts))
+        await self._until_serving()
         for index, (prompt, params) in enumerate(zip(prompts, samplings)):
             if len(prompt) == 0 or len(prompt) + params.max_tokens > self.config.max_model_len:
                 raise RequestTooLongError(
@@ -192,7 +203,32 @@ class RolloutEngine:
 
     async def update_weights(self, policy_version: int, weights: dict[str, np.ndarray]) -> WeightLoad:
         """Load `weights` (HF names) in place once the queued requests ran; later requests use them."""
-        return await self._submit("update", (policy_version, weights))
+        load = await self._submit("update", (policy_version, weights))
+        self._check_serving()
+        return load
+
+    def health(self) -> float:
+        """Seconds the engine thread has spent on its current batch or load (0 when idle); an engine whose
+        answer stays large, or that does not answer, is hung (jobs/engine_watch.py)."""
+        started = self._call_started
+        return 0.0 if started is None else time.perf_counter() - started
+
+    async def _until_serving(self) -> None:
+        if self._serve_from is None or self.policy_version >= self._serve_from:
+            return
+        if self._serving is None:
+            self._serving = asyncio.Event()
+        self._waiting_for_version += 1
+        try:
+            await self._serving.wait()
+        finally:
+            self._waiting_for_version -= 1
+
+    def _check_serving(self) -> None:
+        if self._serve_from is not None and self.policy_version >= self._serve_from:
+            self._serve_from = None
+            if self._serving is not None:
+                self._serving.set()
 
     async def open_weight_channel(self, address: str, rank: int, world_size: int, backend: str,
                                   timeout_s: float) -> None:
@@ -200,10 +236,12 @@ class RolloutEngine:
         From then on a thread receives every version sent and queues its load like `update_weights`
         (between batches); `weight_load(v)` says when version v is loaded."""
         self._channel_error, self._loads = None, {}  # a new channel (a new train group): its own versions
+        self._channel_generation += 1  # the previous channel's thread, if any, no longer reports
         loop = asyncio.get_running_loop()
         joined = loop.create_future()
         threading.Thread(target=self._receive_weights, name=f"{self.name}-weights", daemon=True,
-                         args=(address, rank, world_size, backend, timeout_s, loop, joined)).start()
+                         args=(address, rank, world_size, backend, timeout_s, loop, joined,
+                               self._channel_generation)).start()
         await joined
 
     async def weight_load(self, policy_version: int) -> WeightLoad:
@@ -218,7 +256,7 @@ class RolloutEngine:
         self._load_waiters.setdefault(policy_version, []).append(future)
         return await future
 
-    def _receive_weights(self, address, rank, world_size, backend, timeout_s, loop, joined) -> None:
+    def _receive_weights(self, address, rank, world_size, backend, timeout_s, loop, joined, generation) -> None:
         from actors.weight_channel import WeightChannel
 
         try:
@@ -231,12 +269,15 @@ class RolloutEngine:
             while (received := channel.receive()) is not None:
                 version, named = received
                 pending = asyncio.run_coroutine_threadsafe(self._submit("update", (version, dict(named))), loop)
-                loop.call_soon_threadsafe(self._loaded, pending.result())
+                load = pending.result()
+                loop.call_soon_threadsafe(self._loaded, load)
         except BaseException as error:  # noqa: BLE001 - the trainer went away (a recovery opens a new channel)
-            loop.call_soon_threadsafe(self._channel_failed, error)
+            if generation == self._channel_generation:
+                loop.call_soon_threadsafe(self._channel_failed, error)
 
     def _loaded(self, load: WeightLoad) -> None:
         self._loads[load.policy_version] = load
+        self._check_serving()
         for version in [v for v in self._load_waiters if v <= load.policy_version]:
             for future in self._load_waiters.pop(version):
                 _settle(future, future.set_result, load)
@@ -249,11 +290,13 @@ class RolloutEngine:
         self._load_waiters = {}
 
     def current_policy_version(self) -> int:
-        return self.policy_version
+        """The version this engine's next generations carry at the least (a replacement: the one it waits for)."""
+        return max(self.policy_version, self._serve_from or 0)
 
     def utilization(self) -> EngineUtilization:
         return EngineUtilization(engine=self.name, busy_s=self._busy_s, idle_s=self._idle_s,
-                                 generate_batches=self._generate_batches, requests=self._requests)
+                                 generate_batches=self._generate_batches, requests=self._requests,
+                                 requests_waiting_for_version=self._waiting_for_version)
 
     async def _submit(self, kind: str, payload: tuple):
         loop = asyncio.get_running_loop()
@@ -267,7 +310,7 @@ class RolloutEngine:
         while True:
             waited = time.perf_counter()
             calls = [self._calls.get()]
-            started = time.perf_counter()
+            started = self._call_started = time.perf_counter()
             self._idle_s += started - waited
             while calls[-1].kind == "generate":  # gather what is queued behind, up to a weight update
                 try:
@@ -279,6 +322,7 @@ class RolloutEngine:
                 self._run(calls, self._generate_batch)
             if update is not None:
                 self._run([update], self._load)
+            self._call_started = None
             self._busy_s += time.perf_counter() - started
 
     def _run(self, calls: list[_Call], work) -> None:
@@ -400,13 +444,18 @@ def _per_prompt(sampling: SamplingConfig | Sequence[SamplingConfig], count: int)
 def engine_error(error: Exception, engine_name: str, what: str) -> Exception:
     """The error to raise for a failed call to engine `engine_name`: our own errors as they are
     (they name the engine already), a dead actor as `EngineDiedError`, anything else as `EngineError`."""
-    if isinstance(error, ray.exceptions.RayActorError):
-        return EngineDiedError(f"{what}: rollout engine {engine_name} died ({type(error).__name__}); start a "
-                               "new RolloutEnginePool")
+    if engine_died(error):
+        return EngineDiedError(f"{what}: rollout engine {engine_name} died ({type(error).__name__})")
     cause = getattr(error, "cause", None)
     if isinstance(cause, VgbsError):
         return cause
     return EngineError(f"{what}: rollout engine {engine_name} failed: {cause or error!r}")
+
+
+def engine_died(error: BaseException) -> bool:
+    """Whether a failed call means the engine's actor is gone (not that the call raised inside it: Ray makes
+    that RayTaskError an instance of its cause's class too)."""
+    return isinstance(error, ray.exceptions.RayActorError) and not isinstance(error, ray.exceptions.RayTaskError)
 
 
 def _settle(future: asyncio.Future, setter, value) -> None:
@@ -417,31 +466,93 @@ def _settle(future: asyncio.Future, setter, value) -> None:
 class EngineClient:
     """What a producer needs to sample: the engines' handles and names (picklable: pass it to actors).
 
-    `await client.generate(prompts, sampling)` picks the engine with the fewest calls in flight
-    from this client; failures raise errors naming the engine, like the pool's.
+    `await client.generate(prompts, sampling)` picks the live engine with the fewest calls in flight
+    from this client. A call whose engine died goes to another live engine; the dead one comes back
+    when the job replaced it (`RolloutEnginePool.replace`: a new actor under the same name, found with
+    `ray.get_actor`). With no engine live the call waits for a replacement up to
+    `replacement_timeout_s`, then raises `EngineDiedError` naming every engine. Other failures raise
+    errors naming the engine, like the pool's.
     """
 
-    def __init__(self, engines: list, names: list[str]):
+    LOOKUP_INTERVAL_S = 0.5
+    """How often a dead engine's name is looked up again (a replacement registers it)."""
+
+    def __init__(self, engines: list, names: list[str], *, replacement_timeout_s: float = 600.0):
         self.engines = list(engines)
         self.names = list(names)
+        self.replacement_timeout_s = replacement_timeout_s
         self._in_flight = [0] * len(self.engines)
+        self._dead: dict[int, tuple] = {}  # index -> (dead actor's id, when its name was last looked up)
 
     def __getstate__(self):
-        return {"engines": self.engines, "names": self.names}
+        return {"engines": self.engines, "names": self.names, "replacement_timeout_s": self.replacement_timeout_s}
 
     def __setstate__(self, state):
-        self.__init__(state["engines"], state["names"])
+        self.__init__(state["engines"], state["names"], replacement_timeout_s=state["replacement_timeout_s"])
 
     async def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *,
                        engine_index: int | None = None) -> list[Generation]:
-        index = min(range(len(self.engines)), key=self._in_flight.__getitem__) if engine_index is None else engine_index
-        self._in_flight[index] += 1
-        try:
-            return await self.engines[index].generate.remote(list(prompts), sampling)
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as error:
-            raise engine_error(error, self.names[index], "generate") from error
-        finally:
-            self._in_flight[index] -= 1
+        while True:
+            index = await self._live_index() if engine_index is None else engine_index
+            handle = self.engines[index]
+            self._in_flight[index] += 1
+            try:
+                return await handle.generate.remote(list(prompts), sampling)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as error:
+                if not engine_died(error) or engine_index is not None:
+                    raise engine_error(error, self.names[index], "generate") from error
+                self._mark_dead(index, handle)  # the request goes to another engine (or waits for a replacement)
+            finally:
+                self._in_flight[index] -= 1
+
+    async def policy_version(self) -> int:
+        """The oldest policy version a live engine holds (a rollout may be sampled by any of them)."""
+        while True:
+            live = self._live()
+            if not live:
+                await self._live_index()
+                continue
+            answers = await asyncio.gather(*[self.engines[i].current_policy_version.remote() for i in live],
+                                           return_exceptions=True)
+            versions = []
+            for index, answer in zip(live, answers):
+                if isinstance(answer, BaseException):
+                    if not engine_died(answer):
+                        raise engine_error(answer, self.names[index], "current_policy_version") from answer
+                    self._mark_dead(index, self.engines[index])
+                else:
+                    versions.append(answer)
+            if versions:
+                return min(versions)
+
+    def _mark_dead(self, index: int, handle) -> None:
+        if self.engines[index] is handle and index not in self._dead:
+            self._dead[index] = (handle._actor_id, 0.0)  # noqa: SLF001 - an actor's identity across lookups
+
+    def _live(self) -> list[int]:
+        now = time.monotonic()
+        for index, (dead_id, looked) in list(self._dead.items()):
+            if now - looked < self.LOOKUP_INTERVAL_S:
+                continue
+            self._dead[index] = (dead_id, now)
+            try:
+                handle = ray.get_actor(self.names[index])
+            except ValueError:  # not registered again yet
+                continue
+            if handle._actor_id != dead_id:  # noqa: SLF001 - a new actor under the name: the replacement
+                self.engines[index] = handle
+                del self._dead[index]
+        return [i for i in range(len(self.engines)) if i not in self._dead]
+
+    async def _live_index(self) -> int:
+        """The live engine with the fewest calls in flight; waits for a replacement when none is live."""
+        deadline = time.monotonic() + self.replacement_timeout_s
+        while not (live := self._live()):
+            if time.monotonic() > deadline:
+                raise EngineDiedError(f"generate: every rollout engine died ({', '.join(self.names)}) and none was "
+                                      f"replaced within {self.replacement_timeout_s:.0f} s")
+            await asyncio.sleep(self.LOOKUP_INTERVAL_S)
+        return min(live, key=self._in_flight.__getitem__)
 
 
 class RolloutEnginePool:
@@ -450,6 +561,8 @@ class RolloutEnginePool:
     def __init__(self, config: EngineConfig, model_dir: str, *, policy_version: int = 0,
                  name_prefix: str = "rollout-engine"):
         self.config = config
+        self.model_dir = model_dir
+        self.start_version = policy_version
         self.names = [f"{name_prefix}-{i}" for i in range(config.num_engines)]
         self._pg = None
         self.engines: list = []
@@ -462,24 +575,54 @@ class RolloutEnginePool:
                 raise EngineError(f"placement group for {config.num_engines} rollout engines of {bundle} not ready "
                                   f"after {config.startup_timeout_s:.0f} s: lower num_engines or num_cpus_per_engine, "
                                   "or add nodes")
-            env = _GPU_ENV if config.on_gpu else _CPU_ENV
-            actor_class = ray.remote(RolloutEngine)
-            self.engines = [
-                actor_class.options(
-                    name=None, num_cpus=config.num_cpus_per_engine, num_gpus=config.num_gpus_per_engine,
-                    max_restarts=0, max_concurrency=1000, runtime_env={"env_vars": dict(env)},
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self._pg,
-                                                                         placement_group_bundle_index=i),
-                ).remote(config, model_dir, name, policy_version)
-                for i, name in enumerate(self.names)]
+            self.engines = [self._start(i) for i in range(len(self.names))]
             self._wait([engine.ready.remote() for engine in self.engines], config.startup_timeout_s, "start-up")
         except BaseException:
             self.shutdown()
             raise
 
-    def client(self) -> EngineClient:
-        """A picklable handle on these engines for producers (async `generate`)."""
-        return EngineClient(self.engines, self.names)
+    def _start(self, index: int, serve_from_version: int | None = None):
+        """Engine `index` on its bundle, as the named actor its name says (clients find a replacement by it)."""
+        env = _GPU_ENV if self.config.on_gpu else _CPU_ENV
+        return ray.remote(RolloutEngine).options(
+            name=self.names[index], num_cpus=self.config.num_cpus_per_engine, num_gpus=self.config.num_gpus_per_engine,
+            max_restarts=0, max_concurrency=1000, runtime_env={"env_vars": dict(env)},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self._pg,
+                                                                 placement_group_bundle_index=index),
+        ).remote(self.config, self.model_dir, self.names[index], self.start_version, serve_from_version)
+
+    def replace(self, index: int, *, serve_from_version: int, weights: PublishedWeights | None = None,
+                name_timeout_s: float = 30.0):
+        """A new engine in place of engine `index` (dead or hung: it is killed first) on the same bundle and
+        under the same name; it serves no request before it holds `serve_from_version` (`weights`, when
+        given, are loaded at once; else the next weight sync brings it). Blocks until it started; returns it.
+        Producers' clients find it by name; until then their requests go to the other engines."""
+        try:
+            ray.kill(self.engines[index], no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        deadline = time.monotonic() + name_timeout_s
+        while True:
+            try:
+                engine = self._start(index, serve_from_version)
+                break
+            except ValueError:  # the dead actor's name is not free yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        try:
+            if weights is not None:
+                engine.update_weights.remote(weights.policy_version, weights.ref)
+            self._wait([engine.ready.remote()], self.config.startup_timeout_s, "replacement start-up", indices=[index])
+        except BaseException:
+            ray.kill(engine, no_restart=True)
+            raise
+        self.engines[index] = engine
+        return engine
+
+    def client(self, replacement_timeout_s: float = 600.0) -> EngineClient:
+        """A picklable handle on these engines for producers (async `generate`; see `EngineClient`)."""
+        return EngineClient(self.engines, self.names, replacement_timeout_s=replacement_timeout_s)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *,
                  engine_index: int | None = None) -> list[Generation]:
@@ -505,9 +648,16 @@ class RolloutEnginePool:
         return [engine.weight_load.remote(policy_version) for engine in self.engines]
 
     def utilization(self) -> list[EngineUtilization]:
-        """Each engine's busy and idle time so far (see `EngineUtilization`)."""
-        return self._wait([engine.utilization.remote() for engine in self.engines], self.config.call_timeout_s,
-                          "utilization")
+        """Each live engine's busy and idle time since it started (see `EngineUtilization`); a dead one is left out."""
+        refs = [engine.utilization.remote() for engine in self.engines]
+        ray.wait(refs, num_returns=len(refs), timeout=self.config.call_timeout_s)
+        usage = []
+        for ref in refs:
+            try:
+                usage.append(ray.get(ref, timeout=0))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                continue
+        return usage
 
     def wait_for_weights(self, loads: list[ray.ObjectRef], timeout_s: float | None = None) -> list[WeightLoad]:
         return self._wait(loads, self.config.call_timeout_s if timeout_s is None else timeout_s, "update_weights")

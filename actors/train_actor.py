@@ -112,6 +112,11 @@ class TrainActor:
         """Rank 0: host the weight channel to the engines (actors/weight_channel.py); blocks until they joined."""
         from actors.weight_channel import WeightChannel
 
+        if self._weight_channel is not None:  # reopened with a replaced engine: the old peers are gone
+            try:
+                self._weight_channel.close()
+            except Exception as error:  # noqa: BLE001 - a dead peer may break the close
+                log.info("rank 0: closing the previous weight channel: %r", error)
         self._weight_channel = WeightChannel(address, rank=0, world_size=world_size, backend=backend,
                                              timeout_s=timeout_s)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -112,13 +113,23 @@ class ClosedLoop:
     """The train group the engines' weight channel connects to (transport=collective)."""
     producer_args: tuple = ()
     """(AgentProducerConfig, scheduler, engine client, PromptSpec): what every producer starts with (set by `start`)."""
+    policy_version: int = 0
+    """The newest version published to the engines (a replacement engine serves from it)."""
+    published: object = None
+    """That version's PublishedWeights (transport=object_store), which a replacement engine loads first."""
+    engine_watch: object = None
+    """The EngineWatch (jobs/engine_watch.py) that replaces dead or hung engines; None without engines."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    """Orders a publish and an engine replacement (the watch's thread) against each other."""
 
     @classmethod
     def start(cls, config, scheduler, group, *, policy_version: int,
-              cursors: list[dict | None] | None = None) -> "ClosedLoop":
-        """Engines from `group`'s current weights at `policy_version` (closed_loop.enabled), then the producers.
+              cursors: list[dict | None] | None = None, on_recovery=None) -> "ClosedLoop":
+        """Engines from `group`'s current weights at `policy_version` (closed_loop.enabled) with their watch,
+        then the producers.
 
-        `config` is the JobConfig; `cursors[i]`, when given, is producer i's saved `cursor()`.
+        `config` is the JobConfig; `cursors[i]`, when given, is producer i's saved `cursor()`;
+        `on_recovery("engine")` is called after each engine replacement (the job's Ray metric).
         """
         loop_config = config.closed_loop
         prompts = prompt_spec(config)  # a dataset that cannot be read fails before any engine starts
@@ -126,12 +137,14 @@ class ClosedLoop:
         if loop_config.enabled:
             model_dir = start_model_dir(config, group, policy_version)
             loop = cls(engines=RolloutEnginePool(loop_config.engines, model_dir, policy_version=policy_version),
-                       weight_sync=loop_config.weight_sync)
+                       weight_sync=loop_config.weight_sync, policy_version=policy_version)
             tokenizer_dir = model_dir if tokenizer_dir is not None else None  # the engines' copy
         else:
             loop = cls(engines=None)
         try:
-            client = loop.engines.client() if loop.engines is not None else None
+            # A producer's requests wait this long for a replacement when every engine is dead.
+            replacement_timeout_s = loop_config.engines.startup_timeout_s + 60
+            client = loop.engines.client(replacement_timeout_s) if loop.engines is not None else None
             endpoint = loop_config.endpoint
             producer_config = AgentProducerConfig(
                 agent=loop_config.agent, agent_kwargs=dict(loop_config.agent_kwargs), group_size=loop_config.group_size,
@@ -142,13 +155,28 @@ class ClosedLoop:
                 endpoint_host=endpoint.host if endpoint.enabled else None,
                 endpoint_token=endpoint_token(config.run.output_dir) if endpoint.enabled else None)
             loop.producer_args = (producer_config, scheduler, client, prompts)
-            for index in range(loop_config.num_producers):
-                cursor = cursors[index] if cursors and index < len(cursors) else None
-                loop.producers.append(loop.start_producer(index, cursor))
+            loop.restart_producers(scheduler, cursors)
+            if loop.engines is not None:
+                from jobs.engine_watch import EngineWatch
+
+                loop.engine_watch = EngineWatch(loop, max_replacements=config.run.max_failures,
+                                                hang_timeout_s=loop_config.engines.call_timeout_s,
+                                                on_replace=on_recovery)
+                loop.engine_watch.start()
         except BaseException:
             loop.shutdown()
             raise
         return loop
+
+    def restart_producers(self, scheduler, cursors: list[dict | None] | None) -> None:
+        """Every producer (closed_loop.num_producers), pushing to `scheduler`, producer i from `cursors[i]`
+        (None: from its first prompt); at the start, and after a scheduler restore (the old ones stopped)."""
+        config, _, client, prompts = self.producer_args
+        self.producer_args = (config, scheduler, client, prompts)
+        self.producers.clear()
+        for index in range(config.num_producers):
+            cursor = cursors[index] if cursors and index < len(cursors) else None
+            self.producers.append(self.restart_producer(index, cursor))
 
     def start_producer(self, index: int, cursor: dict | None) -> tuple:
         """Producer `index` (actor named vgbs-producer-{index}) from `cursor`, as an (actor, run ref) pair."""
@@ -169,7 +197,8 @@ class ClosedLoop:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        self.producers[index] = pair
+        if index < len(self.producers):
+            self.producers[index] = pair
         return pair
 
     def publish(self, group, policy_version: int) -> float | None:
@@ -178,17 +207,39 @@ class ClosedLoop:
         if self.engines is None:
             return None
         started = time.perf_counter()
-        if self.weight_sync.transport == "collective":
-            if group is not self.channel_group:  # the first sync, or a recovery's new train group
-                open_weight_channel(group, self.engines, self.weight_sync)
-                self.channel_group = group
-            send_weights(group, policy_version, self.weight_sync)
-            self.loads.append((policy_version, self.engines.weight_loads(policy_version)))
-        else:
-            published = publish_weights(group, policy_version)
-            self.loads.append((policy_version, self.engines.update_weights(published)))
+        with self._lock:
+            if self.weight_sync.transport == "collective":
+                if group is not self.channel_group:  # the first sync, a recovery's new group, or a replaced engine
+                    open_weight_channel(group, self.engines, self.weight_sync)
+                    self.channel_group = group
+                send_weights(group, policy_version, self.weight_sync)
+                self.loads.append((policy_version, self.engines.weight_loads(policy_version)))
+            else:
+                self.published = publish_weights(group, policy_version)
+                self.loads.append((policy_version, self.engines.update_weights(self.published)))
+            self.policy_version = policy_version
         self._collect_loads()
         return time.perf_counter() - started
+
+    def replace_engine(self, index: int) -> int:
+        """Engine `index` (dead or hung) again, on its bundle, serving from the newest published version
+        (loaded from the object store before it serves; over a collective, the next publish reopens the
+        channel with it and sends it). Called by the engine watch; returns that version."""
+        with self._lock:
+            version, published = self.policy_version, self.published
+        collective = self.weight_sync.transport == "collective"
+        engine = self.engines.replace(index, serve_from_version=version + 1 if collective else version,
+                                      weights=None if collective else published)
+        with self._lock:
+            if collective:
+                self.channel_group = None
+            elif self.published is not published:  # a publish went out while it started
+                engine.update_weights.remote(self.published.policy_version, self.published.ref)
+            return self.policy_version if not collective else version + 1
+
+    def failure(self) -> str | None:
+        """Why the engines could not be kept (the engine watch's verdict), or None."""
+        return self.engine_watch.failure if self.engine_watch is not None else None
 
     def restore(self, group, policy_version: int) -> float | None:
         """After a recovery: the engines go back to the restored weights (version = the restored step)."""
@@ -208,14 +259,21 @@ class ClosedLoop:
             try:
                 loads = ray.get(refs, timeout=10)
                 self.load_times_s.append((version, max(load.load_time_s for load in loads)))
-            except Exception as error:  # noqa: BLE001 - a failed load shows in the next generate as an engine error
-                log.error("engine load of policy version %d failed: %r", version, error)
+            except Exception as error:  # noqa: BLE001 - a dead engine is the engine watch's; others show in generate
+                log.warning("engine load of policy version %d failed: %r", version, error)
         self.loads = pending
 
     def drain_sampled_reward(self) -> float | None:
         """Mean reward of every rollout the producers pushed since the previous call (filtered groups
         included: the sampling policy's own reward), or None when none was pushed."""
-        pairs = ray.get([actor.drain_rewards.remote() for actor, _ in self.producers], timeout=60)
+        refs = [actor.drain_rewards.remote() for actor, _ in self.producers]
+        ray.wait(refs, num_returns=len(refs), timeout=60)
+        pairs = []
+        for ref in refs:  # a dead producer (the producer watch restarts it) has nothing to say
+            try:
+                pairs.append(ray.get(ref, timeout=0))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                continue
         count = sum(c for _, c in pairs)
         return sum(s for s, _ in pairs) / count if count else None
 
@@ -228,6 +286,8 @@ class ClosedLoop:
         return sum(u.idle_s for u in usage) / total if total > 0 else 0.0
 
     def shutdown(self) -> None:
+        if self.engine_watch is not None:  # first: no engine is replaced while they go
+            self.engine_watch.stop()
         terminate([actor for actor, _ in self.producers])
         self.producers = []
         if self.engines is not None:

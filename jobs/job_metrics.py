@@ -12,7 +12,7 @@ port (Prometheus text, prefix `ray_`), e.g. `ray_vgbs_job_policy_version{run="ru
 
 from __future__ import annotations
 
-from ray.util.metrics import Gauge
+from ray.util.metrics import Counter, Gauge
 
 from jobs.metric_names import RAY_GAUGES, STEP, ray_name
 
@@ -20,7 +20,9 @@ TAGS = ("run",)
 
 GAUGES = {ray_name(STEP): "Index of the last trained step",
           **{metric.ray_name: f"{metric.help} ({metric.unit}; last trained step)" for metric in RAY_GAUGES}}
-METRIC_NAMES = tuple(GAUGES)
+RECOVERIES = "vgbs_job_recoveries"
+"""Counter: actors the job recovered, tagged `actor` = train_group | scheduler | producer | engine."""
+METRIC_NAMES = (*GAUGES, RECOVERIES)
 """Every series this module exports (the dashboard test checks its panels against these)."""
 
 
@@ -30,6 +32,12 @@ class JobMetrics:
     def __init__(self, run: str):
         self._tags = {"run": run}
         self._gauges = {name: Gauge(name, description=text, tag_keys=TAGS) for name, text in GAUGES.items()}
+        self._recoveries = Counter(RECOVERIES, description="Actors the job recovered (cumulative), by what died",
+                                   tag_keys=(*TAGS, "actor"))
+
+    def on_recovery(self, actor: str) -> None:
+        """One more recovered `actor` (train_group, scheduler, producer, engine); thread-safe (Ray's metrics are)."""
+        self._recoveries.inc(1.0, tags={**self._tags, "actor": actor})
 
     def on_step(self, step: int, values: dict[str, float]) -> None:
         """`values`: vocabulary name -> value (`jobs.metric_names.step_values`); names without a gauge are skipped."""

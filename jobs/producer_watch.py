@@ -38,9 +38,10 @@ class ProducerWatch(threading.Thread):
     replaces an entry (`restart` does)."""
 
     def __init__(self, scheduler, producers: list, *, restart: Callable[[int], tuple] | None = None,
-                 max_restarts: int = 0, timeout_s: float = 60.0):
+                 max_restarts: int = 0, timeout_s: float = 60.0, on_restart: Callable[[], None] | None = None):
         super().__init__(name="producer-watch", daemon=True)
         self._scheduler, self._producers, self._timeout_s = scheduler, producers, timeout_s
+        self._on_restart = on_restart
         self._restart, self._max_restarts = restart, max_restarts
         self.stopping = threading.Event()
         self.reports: list = []
@@ -87,6 +88,8 @@ class ProducerWatch(threading.Thread):
                 record = {"producer": index, "at_s": round(started - self._began, 2),
                           "restart_s": round(time.monotonic() - started, 2), "cause": type(error).__name__}
                 self.restarts.append(record)
+                if self._on_restart is not None:
+                    self._on_restart()
                 log.warning("producer %d died (%s); restarted from the latest checkpoint's cursor in %.1f s", index,
                             record["cause"], record["restart_s"])
         try:

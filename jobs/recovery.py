@@ -16,6 +16,10 @@ Recovery (the failure policy in `vgbs_ray/failure_policy.py` decides, this acts)
    resumed from; a run with none starts from the seeded initial weights, which is the same state);
 3. `scheduler.rewind(n)`: every step after the checkpoint goes back in front of the buffer in
    its original order and trains again exactly once, numbered from n.
+   A lost scheduler is restored instead (`restore_scheduler`, the job's: producers stopped, a new
+   SchedulerActor from the checkpoint's `scheduler.pkl`, or an empty one before any checkpoint),
+   then the new group registers with it; the job restarts the producers from the checkpoint's
+   cursors. This is an in-job `run.resume`, and exactly once for the same reason.
 
 Invariants: the scheduler is told `checkpointed(n)` only after the checkpoint of steps < n is
 durably written (`latest` points at it), so a rewind never needs a settled step. The LR
@@ -51,7 +55,11 @@ class JobFailedError(VgbsError, RuntimeError):
 
 
 class SchedulerLostError(JobFailedError):
-    """The SchedulerActor died or stopped answering; the message says what was lost."""
+    """The SchedulerActor died or stopped answering, past the failure budget; the message says what was lost."""
+
+
+class _SchedulerGone(Exception):
+    """Inside a recovery: the scheduler stopped answering (the cause is chained)."""
 
 
 @dataclass(frozen=True)
@@ -76,9 +84,15 @@ class Recovery:
 class TrainController:
     """Owns the train group across restarts (see module docstring)."""
 
-    def __init__(self, config: JobConfig, scheduler, *, first_step: int, restore_from: str | None):
+    def __init__(self, config: JobConfig, scheduler, *, first_step: int, restore_from: str | None,
+                 restore_scheduler=None, on_recovery=None):
         self.config = config
         self.scheduler = scheduler
+        self.restore_scheduler = restore_scheduler
+        """`restore_scheduler(checkpoint path or None) -> scheduler`: the job's (a new SchedulerActor from that
+        checkpoint's state, the producers stopped first); None: a lost scheduler stops the run."""
+        self.on_recovery = on_recovery
+        """`on_recovery(actor kind)`, called after each recovery (the job's Ray metric)."""
         self.first_step = first_step
         self.group: TrainGroup | None = None
         self.failures = 0
@@ -131,37 +145,62 @@ class TrainController:
         return self._cursors
 
     def recover(self, error: BaseException, failed_step: int) -> int:
-        """Restart the group from the latest checkpoint and rewind the scheduler; returns the
-        step to continue from. Raises JobFailedError when the policy says stop."""
+        """Restart the group from the latest checkpoint and rewind the scheduler (or, when the scheduler is
+        gone, restore a new one from that checkpoint first: `restore_scheduler`); returns the step to
+        continue from. Raises JobFailedError when the policy says stop."""
         detected = time.monotonic()
         kind = self._classify(error)
         self._decide(kind, error, failed_step)
-        log.warning("step %d failed (%s): %s; restarting the train group", failed_step, kind.value, error)
-        self.group.shutdown()
+        log.warning("step %d failed (%s): %s; restarting the train group%s", failed_step, kind.value, error,
+                    " and restoring the scheduler" if kind is FailureKind.SCHEDULER_LOST else "")
         started = time.monotonic()
         while True:
             try:
-                self.group = self._new_group()
+                replayed = self._restart(kind, failed_step)
                 break
-            except (PlacementGroupTimeoutError, TrainStepError, ray.exceptions.RayError) as start_error:
-                lost = not self._scheduler_alive()
-                self._decide(FailureKind.SCHEDULER_LOST if lost else FailureKind.START_FAILED, start_error, failed_step)
+            except _SchedulerGone as lost:  # it died during the restart: restore it too, if the budget allows
+                kind = FailureKind.SCHEDULER_LOST
+                self._decide(kind, lost.__cause__ or lost, failed_step)
         group_start_s = time.monotonic() - started
         restored = self._restore_step
-        try:
-            replayed = ray.get(self.scheduler.rewind.remote(restored), timeout=60)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as lost:
-            self._decide(FailureKind.SCHEDULER_LOST, lost, failed_step)
         recovery = Recovery(kind=kind.value, failed_step=failed_step, restored_step=restored,
                             steps_redone=failed_step - restored, rollouts_replayed=replayed,
                             time_to_recover_s=round(time.monotonic() - detected, 3),
                             group_start_s=round(group_start_s, 3))
         self.recoveries.append(recovery)
-        print(f"recovered from {kind.value} at step {failed_step}: new train group from "
+        if self.on_recovery is not None:
+            self.on_recovery("scheduler" if kind is FailureKind.SCHEDULER_LOST else "train_group")
+        what = "restored the scheduler and a new train group" if kind is FailureKind.SCHEDULER_LOST else "new train group"
+        print(f"recovered from {kind.value} at step {failed_step}: {what} from "
               f"{self._restore_path or 'the initial weights'}, {recovery.steps_redone} steps redone, "
               f"{replayed} rollouts replayed, {recovery.time_to_recover_s:.1f} s (new group {group_start_s:.1f} s)",
               flush=True)
         return restored
+
+    def _restart(self, kind: FailureKind, failed_step: int) -> int:
+        """A new group from the latest checkpoint, the scheduler rewound to it (or restored from it when lost);
+        returns the rollouts put back to train again. Raises _SchedulerGone when the scheduler is lost."""
+        if kind is FailureKind.SCHEDULER_LOST:
+            if self.restore_scheduler is None:
+                raise JobFailedError(f"step {failed_step}: the scheduler is gone and this job cannot restore it")
+            self.scheduler = self.restore_scheduler(self._restore_path)
+            self.last_stats = None
+        if self.group is not None:
+            self.group.shutdown()
+        while True:
+            try:
+                self.group = self._new_group()
+                break
+            except (PlacementGroupTimeoutError, TrainStepError, ray.exceptions.RayError) as start_error:
+                if not self._scheduler_alive():
+                    raise _SchedulerGone() from start_error
+                self._decide(FailureKind.START_FAILED, start_error, failed_step)
+        try:
+            if kind is FailureKind.SCHEDULER_LOST:  # restored at the checkpoint: what it holds untrained trains again
+                return ray.get(self.scheduler.stats.remote(), timeout=60).buffered_rollouts
+            return ray.get(self.scheduler.rewind.remote(self._restore_step), timeout=60)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as lost:
+            raise _SchedulerGone() from lost
 
     def shutdown(self) -> None:
         if self.group is not None:

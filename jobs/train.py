@@ -127,86 +127,17 @@ def step_line(result, record) -> StepLine:
 
 
 def train(config: JobConfig, records_path: str, on_event=None) -> dict:
-    """Run the job on an initialised Ray; returns the summary.
+    """Run the job on an initialised Ray; returns the summary (see `Job`).
 
-    Life cycle: scheduler, train group (restored when resuming), producers; the step loop
-    (recovering train-group failures); then, in this order, producers stop and the input is
-    closed, what never trained is dropped (run_ended), the ledger is checked, and the train group
-    and the scheduler go. `on_event(event, step, controller)`, if given, is called with
-    "step_started" before each step and "step_trained" after its record is written (step: the
-    run's global step; for tests and tools).
+    `on_event(event, step, controller)`, if given, is called with "step_started" before each step
+    and "step_trained" after its record is written (step: the run's global step; for tests and tools).
     """
-    out = config.run.output_dir
-    resume_from = latest_checkpoint(out) if config.run.resume else None
-    resume = load_resume_point(resume_from) if resume_from is not None else None
-    scheduler_config = config.scheduler_with_model_limits()
-    if config.run.max_failures > 0:  # trained steps stay rewindable until a checkpoint holds them
-        scheduler_config = dataclasses.replace(scheduler_config, retain_until_checkpoint=True)
-    # A resume restores the scheduler (global step numbers continue at the checkpoint's step, settled
-    # rollout ids stay known, untrained ones train first) and starts producers at their cursors.
-    scheduler = create_scheduler(scheduler_config, restore=resume.scheduler_state if resume else None)
-    controller, producers, close_input, loop, tracker = None, [], None, None, None
+    job = Job(config, records_path, on_event)
     try:
-        first_step = resume.next_step if resume is not None else 0
-        # run.loggers' trackers (TensorBoard, W&B, MLflow): open off this thread, the config logged once.
-        tracker = Tracker.start(config, first_step=first_step, resumed=resume is not None)
-        controller = TrainController(config, scheduler, first_step=first_step, restore_from=resume_from)
-        controller.start()
-        if resume is not None:
-            print(f"resumed from {resume_from} at step {first_step} (policy version {resume.policy_version}, "
-                  f"{resume.scheduler_state.num_live_rollouts} untrained rollouts restored)", flush=True)
-        cursors = resume.cursors if resume is not None else None
-        # Engines from the weights the group starts with (version = steps trained so far), then producers.
-        started = time.monotonic()
-        loop = ClosedLoop.start(config, scheduler, controller.group, policy_version=first_step, cursors=cursors)
-        producers = loop.producers
-        controller.attach_producers(producers, cursors)
-        engines = (f"{config.closed_loop.engines.num_engines} rollout engine(s) at policy version {first_step}"
-                   if loop.engines is not None else "no rollout engines")
-        print(f"rollouts: {engines}, {len(producers)} producers of {config.closed_loop.agent} "
-              f"({time.monotonic() - started:.1f} s)", flush=True)
-        # A producer that dies restarts from the latest checkpoint's cursor (jobs/producer_watch.py).
-        close_input = ProducerWatch(scheduler, producers, max_restarts=config.run.max_failures,
-                                    restart=lambda index: loop.restart_producer(index, controller.cursor_of(index)))
-        close_input.start()
-
-        start = time.monotonic()
-        recorder = StepRecorder(records_path, append=resume_from is not None) if "jsonl" in config.run.loggers else None
-        try:
-            trained = run_steps(config, controller, recorder, on_event, loop=loop, metrics=JobMetrics(out),
-                                tracker=tracker)
-        finally:
-            if recorder is not None:
-                recorder.close()
-        elapsed = time.monotonic() - start
-        stop_producers(producers, close_input)
-        producers.clear()  # the loop's list too: stopped and ended once
-        # Steps emitted past the last trained one (run.num_steps reached) never train: dropped as run_ended.
-        ray.get(scheduler.drop_untrained.remote(first_step + len(trained)), timeout=60)
-        stats = ray.get(scheduler.stats.remote(check_ledger=True), timeout=60)
-        summary = {**summarize(stats, trained, elapsed, controller), "producers": close_input.outcome()}
-        if loop.engines is not None:
-            summary["closed_loop"] = closed_loop_summary(trained, close_input.reports, loop, stats=stats,
-                                                           elapsed_s=elapsed)
-        tracker.finish(trained, summary, counters_from_stats(stats, len(controller.recoveries)))
-        tracker.close()
-        if tracker.active:
-            summary["loggers"] = tracker.status()
-        return summary
+        job.build()
+        return job.run()
     finally:
-        if tracker is not None:  # a failed run: what is final so far stays logged, the runs marked failed
-            tracker.close(failed=True)
-        if producers:  # a failed run: stop them before the scheduler goes
-            stop_producers(producers, close_input, timeout_s=10)
-        if loop is not None:
-            loop.shutdown()
-        if controller is not None:
-            controller.shutdown()
-        try:
-            ray.get(scheduler.close.remote(), timeout=10)
-        except Exception:  # noqa: BLE001 - best effort on the way out
-            pass
-        terminate([scheduler])
+        job.close()
 
 
 RECOVERABLE_ERRORS = (TrainStepError, PlacementGroupTimeoutError, ray.exceptions.RayActorError,
@@ -214,74 +145,232 @@ RECOVERABLE_ERRORS = (TrainStepError, PlacementGroupTimeoutError, ray.exceptions
 """What the step loop hands to `TrainController.recover` (which asks the failure policy)."""
 
 
-def run_steps(config: JobConfig, controller: TrainController, recorder: StepRecorder | None,
-              on_event=None, loop: ClosedLoop | None = None, metrics: JobMetrics | None = None,
-              tracker: Tracker | None = None) -> list[StepLine]:
-    """Train up to run.num_steps steps, or until the input ends; returns the line of each step in
-    the final model's history.
+class Job:
+    """One run: build, run, close (torchtitan's shape).
 
-    Closed loop (`loop` given): after each trained step k the group publishes its weights as policy
-    version k + 1 and the engines load them without the trainer waiting; after a recovery the
-    restored weights are published as the restored step's version.
+    build: the scheduler (restored when resuming), the train group (jobs/recovery.py owns it across
+    restarts), the rollout source (jobs/closed_loop.py: engines with their watch, producers) and the
+    producers' watch. run: the step loop (`run_steps`), then, in this order, producers stop and the
+    input is closed, what never trained is dropped (run_ended), the ledger is checked; returns the
+    summary. close: the train group, the engines and the scheduler go, also after a failure.
 
-    A train-group failure is recovered (jobs/recovery.py): the steps after the latest checkpoint
-    train again, their lines replaced by the replay's (the records file keeps both, in time
-    order). Steps are global: a resumed run's scheduler, records and checkpoints continue at
-    `controller.first_step`, and run.num_steps counts the whole run's steps (a resumed run stops
-    where the uninterrupted one would). The run ends with a checkpoint.
-
-    Each step's line is printed (run.loggers `console`), appended to `recorder` (`jsonl`), set as
-    Ray gauges (`metrics`) at once, and handed to the `tracker` once a checkpoint holds it
-    (jobs/tracking.py: trackers get the final history only).
+    Recovery is in the job: a dead train rank restarts the group (TrainController), a dead
+    producer is restarted (ProducerWatch), a dead or hung engine is replaced (EngineWatch), and a
+    lost scheduler is restored from the latest checkpoint (`restore_scheduler`, called by the
+    controller): all but the engine replacement count against `run.max_failures` once each.
     """
-    run, first, scheduler = config.run, controller.first_step, controller.scheduler
-    lines: dict[int, StepLine] = {}
-    step = first
-    while True:
+
+    def __init__(self, config: JobConfig, records_path: str, on_event=None):
+        self.config, self.records_path, self.on_event = config, records_path, on_event
+        scheduler_config = config.scheduler_with_model_limits()
+        if config.run.max_failures > 0:  # trained steps stay rewindable until a checkpoint holds them
+            scheduler_config = dataclasses.replace(scheduler_config, retain_until_checkpoint=True)
+        self.scheduler_config = scheduler_config
+        self.metrics = JobMetrics(config.run.output_dir)
+        self.scheduler = self.controller = self.loop = self.watch = self.tracker = None
+        self.finished_watches: list[ProducerWatch] = []  # producer watches of schedulers that were lost
+        self.first_step = 0
+
+    # -- build ------------------------------------------------------------------------------
+
+    def build(self) -> None:
+        config, out = self.config, self.config.run.output_dir
+        resume_from = latest_checkpoint(out) if config.run.resume else None
+        resume = load_resume_point(resume_from) if resume_from is not None else None
+        # A resume restores the scheduler (global step numbers continue at the checkpoint's step, settled
+        # rollout ids stay known, untrained ones train first) and starts producers at their cursors.
+        self.scheduler = create_scheduler(self.scheduler_config, restore=resume.scheduler_state if resume else None)
+        self.first_step = resume.next_step if resume is not None else 0
+        self.resumed = resume_from is not None
+        # run.loggers' trackers (TensorBoard, W&B, MLflow): open off this thread, the config logged once.
+        self.tracker = Tracker.start(config, first_step=self.first_step, resumed=resume is not None)
+        self.controller = TrainController(config, self.scheduler, first_step=self.first_step, restore_from=resume_from,
+                                          restore_scheduler=self.restore_scheduler,
+                                          on_recovery=self.metrics.on_recovery)
+        self.controller.start()
+        if resume is not None:
+            print(f"resumed from {resume_from} at step {self.first_step} (policy version {resume.policy_version}, "
+                  f"{resume.scheduler_state.num_live_rollouts} untrained rollouts restored)", flush=True)
+        cursors = resume.cursors if resume is not None else None
+        # Engines from the weights the group starts with (version = steps trained so far), then producers.
+        started = time.monotonic()
+        self.loop = ClosedLoop.start(config, self.scheduler, self.controller.group, policy_version=self.first_step,
+                                     cursors=cursors, on_recovery=self.metrics.on_recovery)
+        self.controller.attach_producers(self.loop.producers, cursors)
+        engines = (f"{config.closed_loop.engines.num_engines} rollout engine(s) at policy version {self.first_step}"
+                   if self.loop.engines is not None else "no rollout engines")
+        print(f"rollouts: {engines}, {len(self.loop.producers)} producers of {config.closed_loop.agent} "
+              f"({time.monotonic() - started:.1f} s)", flush=True)
+        self._watch_producers()
+
+    def _watch_producers(self) -> None:
+        """A producer that dies restarts from the latest checkpoint's cursor (jobs/producer_watch.py)."""
+        self.watch = ProducerWatch(self.scheduler, self.loop.producers, max_restarts=self.config.run.max_failures,
+                                   restart=lambda index: self.loop.restart_producer(index, self.controller.cursor_of(index)),
+                                   on_restart=lambda: self.metrics.on_recovery("producer"))
+        self.watch.start()
+
+    def restore_scheduler(self, checkpoint: str | None):
+        """The scheduler died: stop the producers (they pushed to it), start a new one from `checkpoint`'s
+        state (None: before the first checkpoint, an empty one: the run starts over), and return it. The
+        producers start again from that checkpoint's cursors once the new train group is up (`run_steps`)."""
+        stop_producers(self.loop.producers, self.watch, timeout_s=30)
+        self.finished_watches.append(self.watch)
+        self.loop.producers.clear()
+        terminate([self.scheduler])  # frees its name
+        resume = load_resume_point(checkpoint) if checkpoint is not None else None
+        self.scheduler = create_scheduler(self.scheduler_config, restore=resume.scheduler_state if resume else None)
+        self._cursors_after_restore = resume.cursors if resume is not None else None
+        return self.scheduler
+
+    def _restart_producers(self) -> None:
+        """After a scheduler restore: every producer again, on the new scheduler, from the checkpoint's cursors."""
+        cursors = self._cursors_after_restore
+        self.loop.restart_producers(self.scheduler, cursors)
+        self.controller.attach_producers(self.loop.producers, cursors)
+        self._watch_producers()
+
+    # -- run --------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        config = self.config
+        start = time.monotonic()
+        recorder = StepRecorder(self.records_path, append=self.resumed) if "jsonl" in config.run.loggers else None
         try:
-            if step < run.num_steps:
-                if on_event is not None:
-                    on_event("step_started", step, controller)
-                result = controller.group.train_step(step, scheduler, shard_timeout_s=run.shard_timeout_s)
-                if result is not None:
-                    record = ray.get(scheduler.step_record.remote(step), timeout=60)
-                    line = step_line(result, record)
-                    if loop is not None and loop.engines is not None:
-                        sync_s = loop.publish(controller.group, step + 1)
-                        line = dataclasses.replace(
-                            line, policy_version=step, weight_sync_s=sync_s, sampled_reward=loop.drain_sampled_reward(),
-                            engine_load_s=loop.load_times_s[-1][1] if loop.load_times_s else None,
-                            engine_idle_share=loop.engine_idle_share() if step % 10 == 0 else None)
-                    if metrics is not None:  # the dashboard's per-step gauges (jobs/job_metrics.py)
-                        metrics.on_step(step, step_values(line))
-                    if "console" in run.loggers:
-                        print(line.text(), flush=True)
-                    if recorder is not None:
-                        recorder.write(line)
-                    lines[step] = line
-                    controller.consumed_rollouts = result.consumed_rollouts
-                    step += 1
-                    if on_event is not None:
-                        on_event("step_trained", step - 1, controller)
-                    if run.checkpoint_every and step % run.checkpoint_every == 0:
+            trained = self.run_steps(recorder)
+        finally:
+            if recorder is not None:
+                recorder.close()
+        elapsed = time.monotonic() - start
+        stop_producers(self.loop.producers, self.watch)
+        self.loop.producers.clear()  # stopped and ended once
+        # Steps emitted past the last trained one (run.num_steps reached) never train: dropped as run_ended.
+        ray.get(self.scheduler.drop_untrained.remote(self.first_step + len(trained)), timeout=60)
+        stats = ray.get(self.scheduler.stats.remote(check_ledger=True), timeout=60)
+        watches = [*self.finished_watches, self.watch]
+        summary = {**summarize(stats, trained, elapsed, self.controller), "producers": producers_outcome(watches)}
+        reports = [report for watch in watches for report in watch.reports]
+        if self.loop.engines is not None:
+            summary["closed_loop"] = closed_loop_summary(trained, reports, self.loop, stats=stats, elapsed_s=elapsed)
+        self.tracker.finish(trained, summary, counters_from_stats(stats, self.recovery_count()))
+        self.tracker.close()
+        if self.tracker.active:
+            summary["loggers"] = self.tracker.status()
+        return summary
+
+    def recovery_count(self) -> int:
+        """Every actor the job recovered so far: train groups, schedulers, producers, engines."""
+        watches = [*self.finished_watches, *([self.watch] if self.watch is not None else [])]
+        engines = len(self.loop.engine_watch.replacements) if self.loop and self.loop.engine_watch else 0
+        return len(self.controller.recoveries) + sum(len(w.restarts) for w in watches) + engines
+
+    def run_steps(self, recorder: StepRecorder | None) -> list[StepLine]:
+        """Train up to run.num_steps steps, or until the input ends; returns the line of each step in
+        the final model's history.
+
+        Closed loop (engines): after each trained step k the group publishes its weights as policy
+        version k + 1 and the engines load them without the trainer waiting; after a recovery the
+        restored weights are published as the restored step's version.
+
+        A train-group or scheduler failure is recovered (jobs/recovery.py): the steps after the latest
+        checkpoint train again, their lines replaced by the replay's (the records file keeps both, in
+        time order). Steps are global: a resumed run's scheduler, records and checkpoints continue at
+        `controller.first_step`, and run.num_steps counts the whole run's steps (a resumed run stops
+        where the uninterrupted one would). The run ends with a checkpoint. Engines the watch could
+        not keep stop the run (JobFailedError naming them), never a quietly shorter one.
+        """
+        run, controller = self.config.run, self.controller
+        lines: dict[int, StepLine] = {}
+        step = self.first_step
+        while True:
+            try:
+                self._check_engines()
+                if step < run.num_steps:
+                    line = self.train_step(step, recorder)
+                    if line is not None:
+                        lines[step] = line
+                        step += 1
+                        continue
+                    self._check_engines()
+                    print(f"input ended after {step - self.first_step} steps", flush=True)
+                    if step != self.first_step:  # again even at a cadence step: rollouts dropped at the end belong in it
                         controller.checkpoint(step)
-                    if tracker is not None:  # hands over the steps a checkpoint now holds (off this thread)
-                        tracker.on_step(line, final_before=controller.checkpointed_step,
-                                        counters=counters_from_stats(controller.last_stats, len(controller.recoveries))
-                                        if controller.last_stats is not None else None)
-                    continue
-                print(f"input ended after {step - first} steps", flush=True)
-                if step != first:  # again even at a cadence step: rollouts dropped at the end belong in it
+                elif step != self.first_step and controller.checkpointed_step != step:
                     controller.checkpoint(step)
-            elif step != first and controller.checkpointed_step != step:
-                controller.checkpoint(step)
-            return [lines[s] for s in sorted(lines)]
-        except RECOVERABLE_ERRORS as error:
-            step = controller.recover(error, step)
-            for undone in [s for s in lines if s >= step]:
-                del lines[undone]
-            if loop is not None:  # the engines go back to the restored weights
-                loop.restore(controller.group, step)
+                return [lines[s] for s in sorted(lines)]
+            except RECOVERABLE_ERRORS as error:
+                lost_scheduler = self.scheduler
+                step = controller.recover(error, step)
+                for undone in [s for s in lines if s >= step]:
+                    del lines[undone]
+                if controller.scheduler is not lost_scheduler:  # restored: the producers again, on the new one
+                    self._restart_producers()
+                self.loop.restore(controller.group, step)  # the engines go back to the restored weights
+
+    def train_step(self, step: int, recorder: StepRecorder | None) -> StepLine | None:
+        """Train `step`, publish its weights, report it, checkpoint at the cadence; None when the input ended."""
+        run, controller, on_event = self.config.run, self.controller, self.on_event
+        if on_event is not None:
+            on_event("step_started", step, controller)
+        result = controller.group.train_step(step, self.scheduler, shard_timeout_s=run.shard_timeout_s)
+        if result is None:
+            return None
+        record = ray.get(self.scheduler.step_record.remote(step), timeout=60)
+        line = step_line(result, record)
+        loop = self.loop
+        if loop.engines is not None:
+            sync_s = loop.publish(controller.group, step + 1)
+            line = dataclasses.replace(
+                line, policy_version=step, weight_sync_s=sync_s, sampled_reward=loop.drain_sampled_reward(),
+                engine_load_s=loop.load_times_s[-1][1] if loop.load_times_s else None,
+                engine_idle_share=loop.engine_idle_share() if step % 10 == 0 else None)
+        self.metrics.on_step(step, step_values(line))  # the dashboard's per-step gauges (jobs/job_metrics.py)
+        if "console" in run.loggers:
+            print(line.text(), flush=True)
+        if recorder is not None:
+            recorder.write(line)
+        controller.consumed_rollouts = result.consumed_rollouts
+        if on_event is not None:
+            on_event("step_trained", step, controller)
+        if run.checkpoint_every and (step + 1) % run.checkpoint_every == 0:
+            controller.checkpoint(step + 1)
+        # Hands over the steps a checkpoint now holds to the trackers (off this thread).
+        self.tracker.on_step(line, final_before=controller.checkpointed_step,
+                             counters=counters_from_stats(controller.last_stats, self.recovery_count())
+                             if controller.last_stats is not None else None)
+        return line
+
+    def _check_engines(self) -> None:
+        failure = self.loop.failure()
+        if failure is not None:
+            raise JobFailedError(f"the rollout engines could not be kept: {failure}")
+
+    # -- close ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Everything this job started goes, producers first (also after a failure; safe to call twice)."""
+        if self.tracker is not None:  # a failed run: what is final so far stays logged, the runs marked failed
+            self.tracker.close(failed=True)
+        if self.loop is not None and self.loop.producers:  # a failed run: stop them before the scheduler goes
+            stop_producers(self.loop.producers, self.watch, timeout_s=10)
+        if self.loop is not None:
+            self.loop.shutdown()
+        if self.controller is not None:
+            self.controller.shutdown()
+        if self.scheduler is not None:
+            try:
+                ray.get(self.scheduler.close.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+            terminate([self.scheduler])
+
+
+def producers_outcome(watches: list[ProducerWatch]) -> dict:
+    """How the producers ended, summed over every producer watch of the run (one per scheduler it had)."""
+    outcomes = [watch.outcome() for watch in watches]
+    total = {key: sum(o[key] for o in outcomes) for key in ("finished", "stopped", "failed", "abandoned_rollouts")}
+    return {**total, "input_closed": outcomes[-1]["input_closed"],
+            "restarts": [r for o in outcomes for r in o["restarts"]]}
 
 
 def summarize(stats, trained: list[StepLine], elapsed_s: float, controller: TrainController | None = None) -> dict:
@@ -332,6 +421,7 @@ def closed_loop_summary(trained: list[StepLine], reports: list, loop: ClosedLoop
         "engine_load_s_mean": mean([seconds for _, seconds in loop.load_times_s]),
         "engine_idle_share": round(loop.engine_idle_share(), 3),
         "restored_versions": loop.restored_versions,
+        "engine_replacements": list(loop.engine_watch.replacements) if loop.engine_watch is not None else [],
         "producers": counts,
         "failed_groups": failed,
         "agent_metrics": agent_metrics(reports),

@@ -1,4 +1,5 @@
-"""The closed loop survives a train-group failure: a TrainActor killed with a step in flight.
+"""The closed loop survives a train-group failure (a TrainActor killed with a step in flight) and a
+dead rollout engine (replaced on its bundle by the engine watch).
 
 The job (in this process, real engine, producers, scheduler and Megatron ranks) recovers the
 group from the latest checkpoint, rewinds the scheduler, and publishes the restored weights to
@@ -44,3 +45,27 @@ def test_a_rank_killed_mid_step_is_recovered_and_the_engines_get_the_restored_we
     assert all(r["policy_version"] == r["step"] and r["staleness_max"] <= 1 for r in final.values())
     replayed = [r["step"] for r in records[CHECKPOINT_EVERY + 2:]]
     assert replayed[:2] == [CHECKPOINT_EVERY, CHECKPOINT_EVERY + 1]  # steps 4, 5 trained again after the restore
+
+
+def test_a_killed_engine_is_replaced_and_serves_the_current_weights_before_any_request(ray_session, tmp_path):
+    """The only engine dies after step 2: producers' requests wait for the replacement, which loads the newest
+    published version before it serves (that it serves those weights: tests/test_rollout_engine.py); every
+    step trains a full batch, sampled within the staleness bound, nothing fails."""
+    config = load_job_config(None, [f"run.output_dir={tmp_path}", "run.num_steps=8", "run.plot=false"])
+    killed = {}
+
+    def kill_the_engine(event, step, controller):
+        if event == "step_trained" and step == 2 and not killed:
+            killed["engine"] = ray.get_actor("rollout-engine-0")
+            ray.kill(killed["engine"], no_restart=True)
+
+    summary = train(config, str(tmp_path / "steps.jsonl"), kill_the_engine)
+    (replacement,) = summary["closed_loop"]["engine_replacements"]
+    assert replacement["engine"] == "rollout-engine-0" and replacement["cause"] == "dead"
+    assert replacement["serves_from_version"] >= 3  # step 2's weights were published before the kill
+    assert summary["steps"] == 8 and summary["rollouts_by_state"]["trained"] == 8 * 64
+    assert summary["recoveries"] == [] and summary["producers"]["failed"] == 0
+    records = {r["step"]: r for r in read_records(tmp_path / "steps.jsonl")}
+    assert sorted(records) == list(range(8))
+    assert all(r["policy_version"] == r["step"] and r["staleness_max"] <= 1 for r in records.values())
+    print(f"engine replaced in {replacement['replace_s']} s")

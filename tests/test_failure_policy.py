@@ -26,14 +26,17 @@ def test_max_failures_zero_fails_fast_and_says_how_to_recover():
     assert decision.action is FailureAction.STOP and "run.max_failures" in decision.reason
 
 
-@pytest.mark.parametrize("kind", [k for k in FailureKind if k not in RECOVERABLE])
+@pytest.mark.parametrize("kind", [k for k in FailureKind if k not in RECOVERABLE and k is not FailureKind.SCHEDULER_LOST])
 def test_what_a_new_group_cannot_cure_stops_whatever_the_budget(kind):
     assert decide(kind, 0, 100).action is FailureAction.STOP
 
 
-def test_scheduler_loss_names_what_was_lost_and_the_way_back():
-    reason = decide(FailureKind.SCHEDULER_LOST, 0, 5).reason
-    assert "buffered" in reason and "run.resume=true" in reason
+def test_a_lost_scheduler_is_restored_while_the_budget_lasts_then_stops_naming_what_was_lost():
+    for max_failures in range(4):
+        actions = [decide(FailureKind.SCHEDULER_LOST, before, max_failures).action for before in range(6)]
+        assert actions == [FailureAction.RESTORE] * max_failures + [FailureAction.STOP] * (6 - max_failures)
+    reason = decide(FailureKind.SCHEDULER_LOST, 2, 2).reason
+    assert "buffered" in reason and "run.resume=true" in reason and "run.max_failures=2" in reason
 
 
 def test_the_budget_message_names_the_setting():

@@ -6,8 +6,10 @@
   schedule's consumed-rollout count matches.
 - Life cycle: a run that reaches run.num_steps while producers still push stops them first:
   no traceback, no ActorDiedError, no failed producer in the output.
-- Scheduler loss: the SchedulerActor killed mid-run: the job stops within a bounded time with a
-  message saying what was lost (never hangs).
+- Scheduler loss: the SchedulerActor killed mid-run is restored in the job from the latest
+  checkpoint (a new scheduler, train group and producers): every rollout of the run without faults
+  trains exactly once. With run.max_failures=0 the job stops within a bounded time with a message
+  saying what was lost (never hangs).
 - Producer loss: one AgentProducer killed right after it pushed some siblings of a rollout but
   not all. Restarted from the latest checkpoint's cursor (run.max_failures > 0): every rollout
   trains once, the held one too. Not restarted (run.max_failures=0): that rollout ends
@@ -160,13 +162,35 @@ def test_a_killed_scheduler_stops_the_run_with_what_was_lost(ray_session, tmp_pa
             ray.kill(controller.scheduler)
 
     with pytest.raises(SchedulerLostError) as failure:
-        run_job(tmp_path / "lost", extra=["closed_loop.num_prompts=40"], on_event=kill_scheduler)
+        run_job(tmp_path / "lost", extra=["closed_loop.num_prompts=40", "run.max_failures=0"], on_event=kill_scheduler)
     stopped_after_s = time.monotonic() - killed["at"]
     message = str(failure.value)
     assert "SchedulerActor died at step 3" in message and "buffered rollouts" in message
     assert "step_000002" in message and "run.resume=true" in message
     assert stopped_after_s < 60, stopped_after_s  # detection is bounded: never a hang
     print(f"scheduler loss: stopped {stopped_after_s:.1f} s after the kill")
+
+
+def test_a_killed_scheduler_is_restored_in_the_job_and_every_rollout_trains_exactly_once(ray_session, tmp_path):
+    clean, clean_history = run_job(tmp_path / "clean")
+    killed = {}
+
+    def kill_scheduler(event, step, controller):
+        if event == "step_trained" and step == 2 and not killed:  # the checkpoint of step 2 holds steps 0-1
+            killed["scheduler"] = controller.scheduler
+            ray.kill(controller.scheduler, no_restart=True)
+
+    faulty, faulty_history = run_job(tmp_path / "restored", on_event=kill_scheduler)
+
+    (recovery,) = faulty["recoveries"]
+    assert recovery["kind"] == "scheduler_lost" and recovery["restored_step"] == 2, recovery
+    assert recovery["steps_redone"] == recovery["failed_step"] - 2 >= 1
+    flat = [rid for ids in faulty_history for rid in ids]
+    assert len(flat) == len(set(flat)) == clean["rollouts_trained"]
+    assert set(flat) == {rid for ids in clean_history for rid in ids}
+    assert ledger_trained(tmp_path / "restored") == {str(rid): step for step, ids in enumerate(faulty_history)
+                                                      for rid in ids}
+    assert faulty["producers"]["input_closed"] and faulty["consumed_rollouts"] == clean["consumed_rollouts"]
 
 
 @pytest.mark.parametrize("restart", [False, True])

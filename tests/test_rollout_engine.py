@@ -154,14 +154,36 @@ def test_utilization_counts_requests_and_splits_the_engines_time_into_busy_and_i
     assert 0 < after.idle_share < 1
 
 
-def test_a_dead_engine_is_an_error_naming_it_not_a_hang(system):
-    """Runs last: it kills the module's engine."""
-    _, engines, _ = system
-    client = engines.client()
+def test_a_dead_engine_is_an_error_naming_it_and_its_replacement_serves_the_newest_weights_first(system):
+    """Runs last: it kills the module's engine. A blocking call fails at once naming it; a client's request
+    waits for a replacement (or fails naming every engine when none comes in time). The replacement
+    starts from the first weights on the same bundle, but the waiting request is answered only after it
+    loaded the published version: its log-probs are the trainer's for that version."""
+    group, engines, _ = system
     ray.kill(engines.engines[0], no_restart=True)
     start = time.monotonic()
     with pytest.raises(EngineDiedError, match=rf"rollout engine {engines.names[0]} died"):
         engines.generate(PROMPTS, SamplingConfig(max_tokens=4))
-    with pytest.raises(EngineDiedError, match=rf"rollout engine {engines.names[0]} died"):
-        asyncio.run(client.generate(PROMPTS, SamplingConfig(max_tokens=4)))
+    with pytest.raises(EngineDiedError, match=rf"every rollout engine died \({engines.names[0]}\)"):
+        asyncio.run(engines.client(replacement_timeout_s=1.0).generate(PROMPTS, SamplingConfig(max_tokens=4)))
     assert time.monotonic() - start < 30
+
+    _train_one_step(group)
+    newest = publish_weights(group, 7)
+    client = engines.client()
+    replacement = engines.replace(0, serve_from_version=7)  # no weights yet: the next sync brings them
+
+    async def request_then_load():
+        waiting = asyncio.ensure_future(client.generate(PROMPTS, SamplingConfig(max_tokens=12, seed=3)))
+        deadline = time.monotonic() + 60
+        while not (await replacement.utilization.remote()).requests_waiting_for_version:
+            assert time.monotonic() < deadline and not waiting.done(), "the request never reached the replacement"
+            await asyncio.sleep(0.05)
+        await replacement.update_weights.remote(newest.policy_version, newest.ref)
+        return await asyncio.wait_for(waiting, timeout=120)
+
+    generations = asyncio.run(request_then_load())
+    assert [g.policy_version for g in generations] == [7, 7, 7]
+    for got, expected in zip([g.response_log_probs for g in generations],
+                             _megatron_log_probs(ray.get(newest.ref), generations)):
+        assert np.abs(got - expected).max() < 1e-4, np.abs(got - expected).max()

@@ -1,20 +1,23 @@
-"""The job's failure policy: after a failure, restart the train group or stop the run.
+"""The job's failure policy: after a failure, restart the train group, restore the scheduler, or stop the run.
 
 Ray Train v2's shape: the policy decides (`make_decision(status, max_failures)`), the job's
 controller acts (tear the group down, start a new one, restore the latest checkpoint,
 rewind the scheduler). Pure: no Ray, no clock; tested without either.
 
 Rules, in order:
-1. A failure the train group cannot cause and a new group cannot cure stops the run at once,
-   whatever the budget: the scheduler is gone (it held the only copy of the buffered rollouts
-   and the ledger since the last checkpoint) or it has no shard to give (input starved, or the
-   scheduler failed inside).
-2. Otherwise (a rank died, a rank raised in a step, a step or checkpoint timed out, a new group
+1. A failure a new train group cannot cure stops the run at once, whatever the budget: the
+   scheduler has no shard to give (input starved, or the scheduler failed inside).
+2. A lost scheduler counts against `max_failures` and, within it, is restored in the job from
+   the latest checkpoint (`RESTORE`: a new scheduler from its saved state, the train group
+   rewound to the same checkpoint, the producers restarted from its cursors): what it buffered
+   since that checkpoint is regenerated, never trained twice.
+3. Otherwise (a rank died, a rank raised in a step, a step or checkpoint timed out, a new group
    could not start) the failure counts against `max_failures`: the group restarts while fewer
    than `max_failures` failures came before this one; this one past the budget stops the run.
    `max_failures=0` fails fast (the first failure stops the run).
 
-Invariant: a decision to restart implies `failures_before < max_failures` and a recoverable kind.
+Invariant: a decision to restart or restore implies `failures_before < max_failures` and a
+recoverable kind (RECOVERABLE, or SCHEDULER_LOST for a restore).
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ RECOVERABLE = frozenset({FailureKind.RANK_DIED, FailureKind.RANK_FAILED, Failure
 class FailureAction(str, enum.Enum):
     RESTART = "restart"
     """Tear the train group down, start a new one, restore the latest checkpoint, rewind the scheduler."""
+    RESTORE = "restore"
+    """The scheduler is gone: a new one from the latest checkpoint, a new train group from it, the producers again."""
     STOP = "stop"
     """Stop the run and raise the failure (with the decision's reason)."""
 
@@ -78,8 +83,12 @@ def make_decision(status: FailureStatus, max_failures: int) -> FailureDecision:
         raise ConfigError(f"max_failures must be >= 0, got {max_failures}")
     kind, before = status.kind, status.failures_before
     if kind is FailureKind.SCHEDULER_LOST:
-        return FailureDecision(FailureAction.STOP, "the SchedulerActor is gone: the rollouts it buffered and its "
-                               "ledger since the latest checkpoint went with it; resume with run.resume=true")
+        if before >= max_failures:
+            return FailureDecision(FailureAction.STOP, f"the SchedulerActor is gone and failure {before + 1} exceeds "
+                                   f"run.max_failures={max_failures}: the rollouts it buffered and its ledger since the "
+                                   "latest checkpoint went with it; resume with run.resume=true")
+        return FailureDecision(FailureAction.RESTORE, f"scheduler_lost: failure {before + 1} of at most {max_failures}; "
+                               "restoring the scheduler, the train group and the producers from the latest checkpoint")
     if kind not in RECOVERABLE:
         return FailureDecision(FailureAction.STOP, f"{kind.value}: a new train group would get no shard either; "
                                "check the producers and the scheduler (or raise run.shard_timeout_s)")
