@@ -20,7 +20,7 @@ TAGS = ("run",)
 
 GAUGES = {ray_name(STEP): "Index of the last trained step",
           **{metric.ray_name: f"{metric.help} ({metric.unit}; last trained step)" for metric in RAY_GAUGES}}
-RECOVERIES = "vgbs_job_recoveries"
+RECOVERIES = "vgbs_job_recoveries_total"
 """Counter: actors the job recovered, tagged `actor` = train_group | scheduler | producer | engine."""
 METRIC_NAMES = (*GAUGES, RECOVERIES)
 """Every series this module exports (the dashboard test checks its panels against these)."""

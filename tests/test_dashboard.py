@@ -53,14 +53,18 @@ def test_job_metrics_reach_the_metrics_export_port(ray_session):
                                   partial=False, policy_version=4, weight_sync_s=0.5, shard_wait_s=float("nan"),
                                   engine_idle_share=0.25))
     metrics.on_step(3, values)  # names without a gauge (train/loss, step/tokens, ...) are not exported
+    for actor in ("engine", "engine", "scheduler"):
+        metrics.on_recovery(actor)
     port = ray.nodes()[0]["MetricsExportPort"]
-    pattern = re.compile(r'^ray_(vgbs_job_[a-z_]+)\{[^}]*run="%s"[^}]*\} ([0-9.e+-]+)$' % run, re.M)
+    pattern = re.compile(r'^ray_(vgbs_job_[a-z_]+)\{([^}]*run="%s"[^}]*)\} ([0-9.e+-]+)$' % run, re.M)
     found: dict = {}
     deadline = time.monotonic() + 45
-    while time.monotonic() < deadline and len(found) < 6:  # exported every few seconds
+    while time.monotonic() < deadline and len(found) < 8:  # exported every few seconds
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        found = {name: float(value) for name, value in pattern.findall(text)}
+        found = {name + "".join(re.findall(r'actor="([a-z_]+)"', tags)): float(value)
+                 for name, tags, value in pattern.findall(text)}
         time.sleep(0.5)
     assert found == {"vgbs_job_step": 3.0, "vgbs_job_step_rollouts": 16.0, "vgbs_job_reward_trained": 0.625,
                      "vgbs_job_policy_version": 4.0, "vgbs_job_time_weight_sync_s": 0.5,
-                     "vgbs_job_share_engine_idle": 0.25}  # NaN and None are not set
+                     "vgbs_job_share_engine_idle": 0.25,  # NaN and None are not set
+                     "vgbs_job_recoveries_totalengine": 2.0, "vgbs_job_recoveries_totalscheduler": 1.0}
