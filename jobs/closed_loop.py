@@ -112,7 +112,9 @@ class ClosedLoop:
     channel_group: object = None
     """The train group the engines' weight channel connects to (transport=collective)."""
     producer_args: tuple = ()
-    """(AgentProducerConfig, scheduler, engine client, PromptSpec): what every producer starts with (set by `start`)."""
+    """(AgentProducerConfig, scheduler, PromptSpec): what every producer starts with (set by `start`)."""
+    replacement_timeout_s: float = 600.0
+    """How long a producer's requests wait for a replacement when every engine is dead."""
     policy_version: int = 0
     """The newest version published to the engines (a replacement engine serves from it)."""
     published: object = None
@@ -142,9 +144,7 @@ class ClosedLoop:
         else:
             loop = cls(engines=None)
         try:
-            # A producer's requests wait this long for a replacement when every engine is dead.
-            replacement_timeout_s = loop_config.engines.startup_timeout_s + 60
-            client = loop.engines.client(replacement_timeout_s) if loop.engines is not None else None
+            loop.replacement_timeout_s = loop_config.engines.startup_timeout_s + 60
             endpoint = loop_config.endpoint
             producer_config = AgentProducerConfig(
                 agent=loop_config.agent, agent_kwargs=dict(loop_config.agent_kwargs), group_size=loop_config.group_size,
@@ -154,7 +154,7 @@ class ClosedLoop:
                 max_sequence_length=config.train.model.max_position_embeddings, seed=loop_config.seed,
                 endpoint_host=endpoint.host if endpoint.enabled else None,
                 endpoint_token=endpoint_token(config.run.output_dir) if endpoint.enabled else None)
-            loop.producer_args = (producer_config, scheduler, client, prompts)
+            loop.producer_args = (producer_config, scheduler, prompts)
             loop.restart_producers(scheduler, cursors)
             if loop.engines is not None:
                 from jobs.engine_watch import EngineWatch
@@ -171,8 +171,8 @@ class ClosedLoop:
     def restart_producers(self, scheduler, cursors: list[dict | None] | None) -> None:
         """Every producer (closed_loop.num_producers), pushing to `scheduler`, producer i from `cursors[i]`
         (None: from its first prompt); at the start, and after a scheduler restore (the old ones stopped)."""
-        config, _, client, prompts = self.producer_args
-        self.producer_args = (config, scheduler, client, prompts)
+        config, _, prompts = self.producer_args
+        self.producer_args = (config, scheduler, prompts)
         self.producers.clear()
         for index in range(config.num_producers):
             cursor = cursors[index] if cursors and index < len(cursors) else None
@@ -180,7 +180,9 @@ class ClosedLoop:
 
     def start_producer(self, index: int, cursor: dict | None) -> tuple:
         """Producer `index` (actor named vgbs-producer-{index}) from `cursor`, as an (actor, run ref) pair."""
-        config, scheduler, client, prompts = self.producer_args
+        config, scheduler, prompts = self.producer_args
+        # The engines as they are now: a handle of an engine that was replaced would hang a new producer's calls.
+        client = self.engines.client(self.replacement_timeout_s) if self.engines is not None else None
         return start_agent_producer(index, config, scheduler, client, prompts, cursor=cursor,
                                     name=PRODUCER_NAME.format(index))
 

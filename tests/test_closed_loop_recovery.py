@@ -47,25 +47,34 @@ def test_a_rank_killed_mid_step_is_recovered_and_the_engines_get_the_restored_we
     assert replayed[:2] == [CHECKPOINT_EVERY, CHECKPOINT_EVERY + 1]  # steps 4, 5 trained again after the restore
 
 
-def test_a_killed_engine_is_replaced_and_serves_the_current_weights_before_any_request(ray_session, tmp_path):
+def test_a_killed_engine_is_replaced_and_a_killed_scheduler_restored_and_every_step_trains(ray_session, tmp_path):
     """The only engine dies after step 2: producers' requests wait for the replacement, which loads the newest
-    published version before it serves (that it serves those weights: tests/test_rollout_engine.py); every
-    step trains a full batch, sampled within the staleness bound, nothing fails."""
-    config = load_job_config(None, [f"run.output_dir={tmp_path}", "run.num_steps=8", "run.plot=false"])
+    published version before it serves (that it serves those weights: tests/test_rollout_engine.py). The
+    scheduler dies after step 5: a new one is restored from the checkpoint of step 4, the producers start
+    again from its cursors and the engines go back to version 4. Every step of the final history trains a
+    full batch at its own policy version, within the staleness bound."""
+    config = load_job_config(None, [f"run.output_dir={tmp_path}", "run.num_steps=10", "run.plot=false",
+                                    f"run.checkpoint_every={CHECKPOINT_EVERY}"])
     killed = {}
 
-    def kill_the_engine(event, step, controller):
-        if event == "step_trained" and step == 2 and not killed:
+    def kill(event, step, controller):
+        if event == "step_trained" and step == 2 and "engine" not in killed:
             killed["engine"] = ray.get_actor("rollout-engine-0")
             ray.kill(killed["engine"], no_restart=True)
+        if event == "step_trained" and step == 5 and "scheduler" not in killed:
+            killed["scheduler"] = controller.scheduler
+            ray.kill(controller.scheduler, no_restart=True)
 
-    summary = train(config, str(tmp_path / "steps.jsonl"), kill_the_engine)
+    summary = train(config, str(tmp_path / "steps.jsonl"), kill)
     (replacement,) = summary["closed_loop"]["engine_replacements"]
     assert replacement["engine"] == "rollout-engine-0" and replacement["cause"] == "dead"
     assert replacement["serves_from_version"] >= 3  # step 2's weights were published before the kill
-    assert summary["steps"] == 8 and summary["rollouts_by_state"]["trained"] == 8 * 64
-    assert summary["recoveries"] == [] and summary["producers"]["failed"] == 0
-    records = {r["step"]: r for r in read_records(tmp_path / "steps.jsonl")}
-    assert sorted(records) == list(range(8))
-    assert all(r["policy_version"] == r["step"] and r["staleness_max"] <= 1 for r in records.values())
-    print(f"engine replaced in {replacement['replace_s']} s")
+    (recovery,) = summary["recoveries"]
+    assert recovery["kind"] == "scheduler_lost" and recovery["restored_step"] == CHECKPOINT_EVERY
+    assert summary["closed_loop"]["restored_versions"] == [CHECKPOINT_EVERY]
+    assert summary["steps"] == 10 and summary["rollouts_by_state"]["trained"] == 10 * 64
+    records = read_records(tmp_path / "steps.jsonl")
+    final = {r["step"]: r for r in records}  # a replayed step's record comes after the undone one
+    assert sorted(final) == list(range(10))
+    assert all(r["policy_version"] == r["step"] and r["staleness_max"] <= 1 for r in final.values())
+    print(f"engine replaced in {replacement['replace_s']} s; scheduler restored in {recovery['time_to_recover_s']} s")
