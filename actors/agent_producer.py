@@ -453,7 +453,7 @@ class AgentProducer:
         """Wait until the scheduler admits the group at the engines' version; returns the ids the
         scheduler already holds (pushed before a resume), or None if stopped first."""
         while not self._stop.is_set():
-            decision = await self._scheduler.admit.remote(rollout_ids, await self._engine_version())
+            decision = await self._scheduler.admit.remote(rollout_ids, await self._engine_version(), self._index)
             if decision.admit:
                 known = frozenset(decision.known)
                 self._admitted[local] = [rid for rid in rollout_ids if rid not in known]

@@ -443,9 +443,10 @@ class SchedulerActor:
                 rejected_samples=self._rejected)
 
     # -- admission control (staleness) -------------------------------------------------------
-    async def admit(self, rollout_ids: Sequence, engine_version: int) -> Admission:
+    async def admit(self, rollout_ids: Sequence, engine_version: int, producer: int | None = None) -> Admission:
         """May a producer start these rollouts (a GRPO group: all or none) with an engine at policy
         version `engine_version`? Without max_staleness every group is admitted (enforced=False).
+        `producer` (its index) lets `producer_lost` free what it had in flight.
 
         Ids the scheduler already holds (accepted samples, trained, dropped) are never admitted
         again: they come back in `known` and a resumed producer skips them; if all are known the
@@ -465,12 +466,22 @@ class SchedulerActor:
         new = [rid for rid in ids if rid not in skip and not self.window.is_pending(rid)]
         if not new:
             return Admission(True, self._next_step, self._next_step - engine_version, known=known)
-        decision = self.window.try_admit(new, engine_version)
+        decision = self.window.try_admit(new, engine_version, owner=producer)
         if decision.admit:
             self._admitted += len(new)
         else:
             self._refused_admissions += 1
         return Admission(decision.admit, decision.landing_step, decision.expected_staleness, known=known)
+
+    async def producer_lost(self, producer: int) -> int:
+        """Producer `producer` died: the rollouts it had admitted and not finished no longer hold room in the
+        staleness window and no step waits for them (its restart admits them again); returns how many."""
+        self._start()
+        if self.window is None:
+            return 0
+        freed = self.window.discard_owner(producer)
+        self._changed.notify()
+        return len(freed)
 
     async def abandon(self, rollout_ids: Sequence) -> None:
         """The producer gave these admitted rollouts up (engine died, producer stopped): they no longer

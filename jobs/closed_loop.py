@@ -188,8 +188,13 @@ class ClosedLoop:
 
     def restart_producer(self, index: int, cursor: dict | None, timeout_s: float = 60.0) -> tuple:
         """Producer `index` again, from `cursor` (its cursor at the latest checkpoint: what it pushed since is
-        pushed again and the scheduler rejects what it holds); replaces it in `producers`. The dead actor's
-        name may take a moment to free."""
+        pushed again and the scheduler rejects what it holds); replaces it in `producers`. The dead actor is
+        killed first: a process that died by a signal keeps its name taken until Ray is told."""
+        if index < len(self.producers):
+            try:
+                ray.kill(self.producers[index][0], no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
         deadline = time.monotonic() + timeout_s
         while True:
             try:

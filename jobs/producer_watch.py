@@ -70,6 +70,7 @@ class ProducerWatch(threading.Thread):
                     self.failed += 1
                     log.error("producer %d failed: %r", index, error)
                     continue
+                self._free_admitted(index)
                 if self._restart is None or self.stopping.is_set() or restarts[index] >= self._max_restarts:
                     self.failed += 1
                     log.error("producer %d died and is not restarted (%d restarts of %d): %r", index,
@@ -99,6 +100,13 @@ class ProducerWatch(threading.Thread):
             log.error("end of input not recorded: the scheduler is gone")
         except Exception as error:  # noqa: BLE001 - reported; the driver decides the run's outcome
             log.error("end of input failed: %r", error)
+
+    def _free_admitted(self, index: int) -> None:
+        """No step may wait for what the dead producer had in flight (its restart admits it again)."""
+        try:
+            ray.get(self._scheduler.producer_lost.remote(index), timeout=self._timeout_s)
+        except Exception as error:  # noqa: BLE001 - the scheduler is gone too: the job restores it
+            log.error("producer %d died; the scheduler did not take it: %r", index, error)
 
     def outcome(self) -> dict:
         return {"finished": sum(not r.stopped for r in self.reports), "stopped": sum(r.stopped for r in self.reports),

@@ -89,8 +89,9 @@ class TrainController:
         self.config = config
         self.scheduler = scheduler
         self.restore_scheduler = restore_scheduler
-        """`restore_scheduler(checkpoint path or None) -> scheduler`: the job's (a new SchedulerActor from that
-        checkpoint's state, the producers stopped first); None: a lost scheduler stops the run."""
+        """`restore_scheduler(checkpoint path or None) -> (scheduler, untrained rollouts it holds)`: the job's (a
+        new SchedulerActor from that checkpoint's state, the producers stopped first); None: a lost scheduler
+        stops the run."""
         self.on_recovery = on_recovery
         """`on_recovery(actor kind)`, called after each recovery (the job's Ray metric)."""
         self.first_step = first_step
@@ -183,7 +184,7 @@ class TrainController:
         if kind is FailureKind.SCHEDULER_LOST:
             if self.restore_scheduler is None:
                 raise JobFailedError(f"step {failed_step}: the scheduler is gone and this job cannot restore it")
-            self.scheduler = self.restore_scheduler(self._restore_path)
+            self.scheduler, restored_rollouts = self.restore_scheduler(self._restore_path)
             self.last_stats = None
         if self.group is not None:
             self.group.shutdown()
@@ -195,9 +196,9 @@ class TrainController:
                 if not self._scheduler_alive():
                     raise _SchedulerGone() from start_error
                 self._decide(FailureKind.START_FAILED, start_error, failed_step)
+        if kind is FailureKind.SCHEDULER_LOST:  # restored at the checkpoint: what it holds untrained trains again
+            return restored_rollouts
         try:
-            if kind is FailureKind.SCHEDULER_LOST:  # restored at the checkpoint: what it holds untrained trains again
-                return ray.get(self.scheduler.stats.remote(), timeout=60).buffered_rollouts
             return ray.get(self.scheduler.rewind.remote(self._restore_step), timeout=60)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as lost:
             raise _SchedulerGone() from lost

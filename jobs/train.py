@@ -210,10 +210,11 @@ class Job:
                                    on_restart=lambda: self.metrics.on_recovery("producer"))
         self.watch.start()
 
-    def restore_scheduler(self, checkpoint: str | None):
+    def restore_scheduler(self, checkpoint: str | None) -> tuple:
         """The scheduler died: stop the producers (they pushed to it), start a new one from `checkpoint`'s
-        state (None: before the first checkpoint, an empty one: the run starts over), and return it. The
-        producers start again from that checkpoint's cursors once the new train group is up (`run_steps`)."""
+        state (None: before the first checkpoint, an empty one: the run starts over); returns it and the
+        untrained rollouts it holds. The producers start again from that checkpoint's cursors once the new
+        train group is up (`run_steps`)."""
         stop_producers(self.loop.producers, self.watch, timeout_s=30)
         self.finished_watches.append(self.watch)
         self.loop.producers.clear()
@@ -221,7 +222,7 @@ class Job:
         resume = load_resume_point(checkpoint) if checkpoint is not None else None
         self.scheduler = create_scheduler(self.scheduler_config, restore=resume.scheduler_state if resume else None)
         self._cursors_after_restore = resume.cursors if resume is not None else None
-        return self.scheduler
+        return self.scheduler, resume.scheduler_state.num_live_rollouts if resume is not None else 0
 
     def _restart_producers(self) -> None:
         """After a scheduler restore: every producer again, on the new scheduler, from the checkpoint's cursors."""

@@ -76,3 +76,14 @@ def test_restored_pending_and_end_of_input_discards():
     assert window.next_step({"x": 4, "y": 4}, wait_for_in_flight=False).take == ["x", "y"]
     assert window.discard_in_flight() == ["a"]
     assert (window.pending_rollouts, window.in_flight_rollouts) == (1, 0)
+
+
+def test_a_dead_producers_rollouts_in_flight_are_no_longer_waited_for_and_can_be_admitted_again():
+    window = StalenessWindow(gbs=4, max_staleness=0)
+    assert window.try_admit(["a0", "a1"], 0, owner=0).admit
+    assert window.try_admit(["b0", "b1"], 0, owner=1).admit
+    window.finished("a1")  # buffered: not in flight any more
+    assert window.next_step({"a1": 0}).waiting_for == 3
+    assert sorted(window.discard_owner(0)) == ["a0"]  # only what producer 0 had in flight
+    assert window.next_step({"a1": 0}).waiting_for == 2 and window.pending_rollouts == 3
+    assert window.try_admit(["a0"], 0, owner=0).admit  # its restart admits it again

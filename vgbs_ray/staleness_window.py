@@ -56,6 +56,7 @@ class StalenessWindow:
         self.steps_formed = steps_formed
         self._pending: set = set()
         self._in_flight: dict = {}  # rollout id -> version it was admitted with
+        self._owner: dict = {}  # rollout id in flight -> who admitted it (a producer index), when given
 
     @property
     def pending_rollouts(self) -> int:
@@ -79,8 +80,10 @@ class StalenessWindow:
         self.discard(ids)
         return ids
 
-    def try_admit(self, rollout_ids: Iterable[Hashable], engine_version: int) -> AdmissionDecision:
-        """Admit all of `rollout_ids` (a group) or none; admitted ones count as pending and in flight."""
+    def try_admit(self, rollout_ids: Iterable[Hashable], engine_version: int,
+                  owner: Hashable | None = None) -> AdmissionDecision:
+        """Admit all of `rollout_ids` (a group) or none; admitted ones count as pending and in flight
+        (of `owner`, when given: `discard_owner` frees them if it dies)."""
         ids = list(rollout_ids)
         again = [rid for rid in ids if rid in self._pending]
         if again or len(set(ids)) != len(ids):
@@ -91,17 +94,28 @@ class StalenessWindow:
         if decision.admit:
             self._pending.update(ids)
             self._in_flight.update((rid, engine_version) for rid in ids)
+            if owner is not None:
+                self._owner.update((rid, owner) for rid in ids)
         return decision
+
+    def discard_owner(self, owner: Hashable) -> list:
+        """`owner` died: its rollouts in flight will not arrive from it (a restarted one admits them again);
+        forget them, so no step waits for them; returns their ids."""
+        ids = [rid for rid, who in self._owner.items() if who == owner]
+        self.discard(ids)
+        return ids
 
     def finished(self, rollout_id: Hashable) -> None:
         """The rollout is complete and buffered (still pending until a step takes it)."""
         self._in_flight.pop(rollout_id, None)
+        self._owner.pop(rollout_id, None)
 
     def discard(self, rollout_ids: Iterable[Hashable]) -> None:
         """The rollouts will never be trained (filtered, rejected, failed, dropped): free their room."""
         for rid in rollout_ids:
             self._pending.discard(rid)
             self._in_flight.pop(rid, None)
+            self._owner.pop(rid, None)
 
     def next_step(self, buffered_oldest: Mapping[Hashable, int | None], *, allow_partial: bool = False,
                   wait_for_in_flight: bool = True) -> StepPlan:

@@ -1,0 +1,112 @@
+"""Chaos through `ray job submit`: the demo job survives the death of each kind of actor, once each.
+
+The test starts a token-auth cluster as a user would (tests/cluster_support.py), submits the
+demo (`python -m jobs.train`: the closed loop, 100 steps), and SIGKILLs, one after another, the
+process of a rollout engine, a producer, the SchedulerActor and a TrainActor, found with the
+state API (`ray list actors`). Each kill waits for an event the job reported: a step record in
+its steps.jsonl, then the recovery of the previous kill in its log, never a sleep.
+
+The job must finish SUCCEEDED with all its steps by itself; its ledger check passes (the job ran
+it), the rollouts of the final history add up to the ledger's trained count, every accepted
+rollout ended trained or dropped with a reason, and the demo's learning bar still holds. Slow:
+about five minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import time
+
+import pytest
+
+from jobs.progress import read_records
+from tests.cluster_support import alive_actors, job_logs, job_status, submit_job, token_auth_head
+
+pytestmark = pytest.mark.slow
+
+STEPS = 100  # the demo's run.num_steps
+WINDOW = 10
+
+
+def mean(values) -> float:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values)
+
+
+def test_the_demo_job_survives_a_killed_engine_producer_scheduler_and_train_rank(tmp_path):
+    out = tmp_path / "run"
+    records = out / "steps.jsonl"
+    with token_auth_head(tmp_path) as (address, token, env, _, _):
+        args = shlex.join(f"--set={item}" for item in (f"run.output_dir={out}", "run.ray_address=auto",
+                                                        "run.plot=false", "run.max_failures=3"))
+        submission = submit_job(address, env, f"python -m jobs.train {args}")
+
+        def logs() -> str:
+            return job_logs(address, token, submission)
+
+        def steps_recorded() -> int:
+            return len(records.read_text().splitlines()) if records.exists() else 0
+
+        def wait_for(what: str, done, timeout_s: float = 420.0) -> None:
+            deadline = time.monotonic() + timeout_s
+            while not done():
+                status = job_status(address, token, submission)
+                assert status in ("PENDING", "RUNNING"), f"job {status} while waiting for {what}:\n{logs()[-4000:]}"
+                assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s:\n{logs()[-4000:]}"
+                time.sleep(0.5)
+
+        kills = []
+
+        def kill_then_recovered(class_name: str, name: str | None, recovered: str, pattern: str) -> None:
+            """SIGKILL the actor's process, wait for the job's line saying it recovered, then for a new step
+            record; keeps the seconds from the kill to each."""
+            actor = next(a for a in alive_actors(address, token)
+                         if a["class_name"] == class_name and (name is None or a.get("name") == name))
+            os.kill(int(actor["pid"]), signal.SIGKILL)
+            killed_at, steps = time.monotonic(), steps_recorded()
+            wait_for(recovered, lambda: re.search(pattern, logs()))
+            recovered_s = time.monotonic() - killed_at
+            wait_for(f"a step record after {recovered}", lambda: steps_recorded() > steps)
+            kills.append({"actor": class_name, "at_step_record": steps, "recovered_s": round(recovered_s, 1),
+                          "training_again_s": round(time.monotonic() - killed_at, 1)})
+
+        def after_more_steps(count: int) -> None:
+            start = steps_recorded()
+            wait_for(f"{count} more step records", lambda: steps_recorded() >= start + count)
+
+        after_more_steps(5)
+        kill_then_recovered("RolloutEngine", None, "the engine's replacement", "replaced rollout engine")
+        after_more_steps(3)
+        kill_then_recovered("AgentProducer", "vgbs-producer-0", "the producer's restart", r"producer 0 died \(")
+        after_more_steps(3)
+        kill_then_recovered("SchedulerActor", None, "the scheduler's restore", "recovered from scheduler_lost")
+        after_more_steps(3)
+        kill_then_recovered("TrainActor", None, "the train group's recovery", "recovered from (?!scheduler_lost)")
+        wait_for("the end of the job", lambda: job_status(address, token, submission) == "SUCCEEDED", 900)
+        (tmp_path / "job.log").write_text(logs())  # kept for a failure's post-mortem
+
+    summary = json.loads((out / "summary.json").read_text())
+    print("kills:", json.dumps(kills))
+    print("recoveries:", summary["recoveries"], summary["producers"]["restarts"],
+          summary["closed_loop"]["engine_replacements"])
+    # Each death recovered by the job itself, once.
+    assert [r["cause"] for r in summary["closed_loop"]["engine_replacements"]] == ["dead"]
+    assert [r["producer"] for r in summary["producers"]["restarts"]] == [0]
+    kinds = [r["kind"] for r in summary["recoveries"]]
+    assert len(kinds) == 2 and kinds[0] == "scheduler_lost" and kinds[1] != "scheduler_lost", kinds
+    # Every step it was asked for, each in the final history once, at its own policy version.
+    final = {r["step"]: r for r in read_records(records)}  # a replayed step's record comes after the undone one
+    assert sorted(final) == list(range(STEPS)) and summary["steps"] == STEPS
+    assert all(r["policy_version"] == r["step"] for r in final.values())
+    # The ledger: the final history's rollouts are the ledger's trained ones; nothing accepted is unaccounted.
+    states = summary["rollouts_by_state"]
+    assert summary["rollouts_trained"] == states["trained"] == sum(r["num_rollouts"] for r in final.values())
+    assert states["buffered"] == states["scheduled"] == 0
+    # The demo's learning bar (tests/test_closed_loop_learning.py).
+    sampled = [final[s]["sampled_reward"] for s in range(STEPS)]
+    first, last = mean(sampled[:WINDOW]), mean(sampled[-WINDOW:])
+    assert last >= 0.8 and last >= first + 0.3, [round(mean(sampled[i:i + WINDOW]), 2) for i in range(0, STEPS, WINDOW)]
