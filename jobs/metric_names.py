@@ -84,7 +84,7 @@ VOCABULARY: tuple[MetricName, ...] = (
     MetricName("rejections/<rule>", "samples", "samples rejected, by the rule they broke (cumulative)", source="counter"),
     MetricName("admission/refusals", "groups", "groups admission control refused (cumulative; a producer asks again)",
                source="counter"),
-    MetricName("run/recoveries", "failures", "train-group failures recovered in this job (cumulative)",
+    MetricName("run/recoveries", "failures", "actors recovered in this job: train groups, schedulers, producers, engines (cumulative)",
                source="counter"),
 )
 BY_NAME = {metric.name: metric for metric in VOCABULARY}
