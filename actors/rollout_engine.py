@@ -601,15 +601,9 @@ class RolloutEnginePool:
             ray.kill(self.engines[index], no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
-        deadline = time.monotonic() + name_timeout_s
-        while True:
-            try:
-                engine = self._start(index, serve_from_version)
-                break
-            except ValueError:  # the dead actor's name is not free yet
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        from actors.shutdown import start_named
+
+        engine = start_named(lambda: self._start(index, serve_from_version), name_timeout_s)
         try:
             if weights is not None:
                 engine.update_weights.remote(weights.policy_version, weights.ref)

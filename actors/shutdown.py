@@ -1,6 +1,7 @@
-"""Ending actors gracefully, so a finished run shows no failed task.
+"""Ending actors gracefully, so a finished run shows no failed task; starting one under a dead one's name.
 
     terminate(actors, timeout_s=10)
+    actor = start_named(lambda: ActorClass.options(name="x").remote(), timeout_s=30)
 
 `ray.kill` ends a worker at once: the events of the tasks it finished in its last second are not
 yet reported (workers report task events about once a second), and the dashboard then shows
@@ -13,11 +14,24 @@ exited, but it frees a named actor's name at once).
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import ray
 
 _EXITED = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError)
+
+
+def start_named(start: Callable, timeout_s: float = 30.0):
+    """`start()` (which creates a named actor), again while the name is still a dead actor's (Ray frees it
+    a moment after the death is known; kill the dead handle first to make that moment short)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return start()
+        except ValueError:  # ActorAlreadyExistsError: the name is still taken
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def terminate(actors: Sequence, timeout_s: float = 10.0) -> None:

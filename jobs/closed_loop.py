@@ -40,7 +40,7 @@ import ray
 from actors.agent_producer import PRODUCER_NAME, AgentProducerConfig, PromptSpec, start_agent_producer
 from actors.hf_checkpoint import write_hf_checkpoint
 from actors.rollout_engine import RolloutEnginePool
-from actors.shutdown import terminate
+from actors.shutdown import start_named, terminate
 from actors.weight_sync import WeightSyncConfig, open_weight_channel, publish_weights, send_weights
 
 log = logging.getLogger("vgbs.job")
@@ -195,15 +195,7 @@ class ClosedLoop:
                 ray.kill(self.producers[index][0], no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                pair = self.start_producer(index, cursor)
-                break
-            except ValueError:  # the name is still the dead actor's
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        pair = start_named(lambda: self.start_producer(index, cursor), timeout_s)
         if index < len(self.producers):
             self.producers[index] = pair
         return pair

@@ -25,6 +25,12 @@ KILL_AT = 6
 CHECKPOINT_EVERY = 4
 
 
+def assert_every_step_trained_at_its_version(records: list[dict], steps: int) -> None:
+    final = {r["step"]: r for r in records}  # a replayed step's record comes after the undone one
+    assert sorted(final) == list(range(steps))
+    assert all(r["policy_version"] == r["step"] and r["staleness_max"] <= 1 for r in final.values())
+
+
 @pytest.mark.parametrize("transport", ["object_store", "collective"])
 def test_a_rank_killed_mid_step_is_recovered_and_the_engines_get_the_restored_weights(ray_session, tmp_path, transport):
     config = load_job_config(None, [f"run.output_dir={tmp_path}", "run.num_steps=10",
@@ -40,9 +46,7 @@ def test_a_rank_killed_mid_step_is_recovered_and_the_engines_get_the_restored_we
     assert summary["closed_loop"]["restored_versions"] == [CHECKPOINT_EVERY]
     assert summary["steps"] == 10 and summary["rollouts_by_state"]["trained"] == 10 * 64
     records = read_records(tmp_path / "steps.jsonl")
-    final = {r["step"]: r for r in records}  # a replayed step's record comes after the undone one
-    assert sorted(final) == list(range(10))
-    assert all(r["policy_version"] == r["step"] and r["staleness_max"] <= 1 for r in final.values())
+    assert_every_step_trained_at_its_version(records, 10)
     replayed = [r["step"] for r in records[CHECKPOINT_EVERY + 2:]]
     assert replayed[:2] == [CHECKPOINT_EVERY, CHECKPOINT_EVERY + 1]  # steps 4, 5 trained again after the restore
 
@@ -74,7 +78,5 @@ def test_a_killed_engine_is_replaced_and_a_killed_scheduler_restored_and_every_s
     assert summary["closed_loop"]["restored_versions"] == [CHECKPOINT_EVERY]
     assert summary["steps"] == 10 and summary["rollouts_by_state"]["trained"] == 10 * 64
     records = read_records(tmp_path / "steps.jsonl")
-    final = {r["step"]: r for r in records}  # a replayed step's record comes after the undone one
-    assert sorted(final) == list(range(10))
-    assert all(r["policy_version"] == r["step"] and r["staleness_max"] <= 1 for r in final.values())
+    assert_every_step_trained_at_its_version(records, 10)
     print(f"engine replaced in {replacement['replace_s']} s; scheduler restored in {recovery['time_to_recover_s']} s")
