@@ -53,7 +53,7 @@ class RecordingScheduler:
     def __init__(self):
         self.samples: list[tuple] = []
 
-    def admit(self, rollout_ids, engine_version: int) -> Admission:
+    def admit(self, rollout_ids, engine_version: int, producer: int | None = None) -> Admission:
         pushed = {rid for rid, _, _ in self.samples}
         return Admission(True, 0, 0, known=tuple(rid for rid in rollout_ids if rid in pushed), enforced=False)
 
