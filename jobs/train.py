@@ -36,7 +36,7 @@ import time
 import ray
 
 from actors.scheduler_actor import create_scheduler
-from actors.shutdown import terminate
+from actors.shutdown import start_named, terminate
 from actors.train_group import PlacementGroupTimeoutError, TrainStepError
 from jobs.checkpoint import latest_checkpoint, load_resume_point
 from jobs.closed_loop import ClosedLoop
@@ -157,7 +157,8 @@ class Job:
     Recovery is in the job: a dead train rank restarts the group (TrainController), a dead
     producer is restarted (ProducerWatch), a dead or hung engine is replaced (EngineWatch), and a
     lost scheduler is restored from the latest checkpoint (`restore_scheduler`, called by the
-    controller): all but the engine replacement count against `run.max_failures` once each.
+    controller). Train-group and scheduler failures share the `run.max_failures` budget; each
+    producer and each engine may be restarted `run.max_failures` times.
     """
 
     def __init__(self, config: JobConfig, records_path: str, on_event=None):
@@ -220,7 +221,8 @@ class Job:
         self.loop.producers.clear()
         terminate([self.scheduler])  # frees its name
         resume = load_resume_point(checkpoint) if checkpoint is not None else None
-        self.scheduler = create_scheduler(self.scheduler_config, restore=resume.scheduler_state if resume else None)
+        self.scheduler = start_named(lambda: create_scheduler(self.scheduler_config,
+                                                              restore=resume.scheduler_state if resume else None))
         self._cursors_after_restore = resume.cursors if resume is not None else None
         return self.scheduler, resume.scheduler_state.num_live_rollouts if resume is not None else 0
 
