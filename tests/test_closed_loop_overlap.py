@@ -15,16 +15,23 @@ What is asserted, and why none of it races:
   HOLD + 1 is formed. It must form: producers may sample it with the weights of version HOLD (or
   older), at staleness 1 for it, while version HOLD + 1 does not exist yet. So every rollout of step
   HOLD + 1 has staleness exactly 1 (at least 1 since it was sampled before HOLD + 1 was published,
-  at most 1 by the bound), and the trainer then finds it formed before it asks. At 0 such a hold
-  would never end (step HOLD + 1 needs version HOLD + 1), so it is not tried: the on-policy run's
-  staleness 0 is the structural check there. How often a step is formed before the trainer asks in
-  an unheld run, and the summed shard waits (`shard_wait_s`), are printed, not asserted: they
-  depend on how fast sampling runs against training on the shared machine (one CI run found no
-  step ready ahead at either bound). benchmarks/bench_closed_loop.py measures them at the demo's
-  size (10-11 of 25 steps ready ahead at max_staleness 1, none at 0).
+  at most 1 by the bound). The hook records what that `get_step` answered (the shards of step
+  HOLD + 1, or the error or None it got) instead of asserting in the job, and the test asserts it:
+  a scheduler that did not form the step ahead fails it there (after HOLD_TIMEOUT_S), while the
+  run itself goes on. At 0 such a hold would never end (step HOLD + 1 needs version HOLD + 1), so
+  it is not tried: the on-policy run's staleness 0 is the structural check there. How often a step
+  is formed before the trainer asks in an unheld run, and the summed shard waits (`shard_wait_s`),
+  are printed, not asserted: they depend on how fast sampling runs against training on the shared
+  machine (one CI run found no step ready ahead at either bound; the trainer's wait for the held
+  step itself was 0.76 s in one run, on-policy waits as short as 0.16 s: CPU contention, not
+  sampling). benchmarks/bench_closed_loop.py measures them at the demo's size (10-11 of 25 steps
+  ready ahead at max_staleness 1, none at 0).
 - stale drops: under 5% of the rollouts finished after warm-up at max_staleness 1 (admission
-  control starts a group only if it can still be trained in time); the engines' idle share and
-  the trainer's idle share are fractions in [0, 1].
+  control starts a group only if it can still be trained in time). The trainer's idle share in the
+  summary is the steps' recorded shard waits over the step loop's time; the engines' idle share is
+  strictly between 0 and 1 (they sampled, and they waited: before the producers' first request, and
+  at staleness 0 through every training step); the digit agent's mean turns per rollout is strictly
+  between 1 and 2 (some rollouts answered right at once, some needed the second turn).
 
 Slow: two jobs of 16 steps; measured 177 s and 192 s on the shared 2-core machine at load average 13-16 and 25-32.
 """
@@ -53,11 +60,16 @@ CONFIGS = {0: ["train.loss.off_policy.max_staleness=0", "train.loss.off_policy.p
 def run_job(out, max_staleness: int) -> dict:
     """One job; returns its summary, step records and the scheduler's counts when warm-up ended."""
     config = load_job_config(None, [f"run.output_dir={out}", *SMALL, *CONFIGS[max_staleness]])
-    at_warm_up, formed_before_asked = {}, {}
+    at_warm_up, formed_before_asked, hold = {}, {}, {}
 
     def on_event(event, step, controller):
         if event == "step_started" and step == HOLD and max_staleness == 1:
-            assert ray.get(controller.scheduler.get_step.remote(HOLD + 1, HOLD_TIMEOUT_S)) is not None
+            try:
+                refs = ray.get(controller.scheduler.get_step.remote(HOLD + 1, HOLD_TIMEOUT_S), timeout=HOLD_TIMEOUT_S + 60)
+            except (ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError) as error:
+                hold.update(answer=repr(error))
+            else:  # plain tuples: the test keeps no reference to the shards
+                hold.update(answer=None if refs is None else [(r.step, r.num_rollouts) for r in refs])
         if event == "step_started":
             formed_before_asked[step] = ray.get(controller.scheduler.stats.remote(), timeout=60).steps_emitted > step
         if event == "step_trained" and step == WARM_UP - 1:
@@ -69,7 +81,7 @@ def run_job(out, max_staleness: int) -> dict:
     print(f"max_staleness={max_staleness}: {time.monotonic() - started:.1f} s, "
           f"closed loop summary {summary['closed_loop']}")
     return dict(summary=summary, records=read_records(out / "steps.jsonl"), at_warm_up=at_warm_up,
-                formed_before_asked=formed_before_asked)
+                formed_before_asked=formed_before_asked, hold=hold)
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +108,11 @@ def test_at_staleness_1_the_next_step_forms_while_the_trainer_holds_the_current_
     waits = {s: round(sum(r["shard_wait_s"] for r in runs[s]["records"][WARM_UP:]), 2) for s in CONFIGS}
     print(f"steps {WARM_UP}..{STEPS - 1} formed before the trainer asked (step {HOLD + 1} held for at "
           f"max_staleness 1): {ready}; summed shard waits (s): {waits}")
-    assert all(r["shard_wait_s"] >= 0 for s in CONFIGS for r in runs[s]["records"])
-    assert runs[1]["formed_before_asked"][HOLD + 1]
     after_hold = runs[1]["records"][HOLD + 1]
     assert after_hold["step"] == HOLD + 1
+    answer = runs[1]["hold"].get("answer")
+    assert isinstance(answer, list) and answer and set(answer) == {(HOLD + 1, after_hold["num_rollouts"])}, (
+        f"step {HOLD + 1} was not formed while the trainer held step {HOLD}: get_step answered {answer}")
     assert after_hold["staleness_mean"] == after_hold["staleness_max"] == 1, after_hold
 
 
@@ -110,7 +123,11 @@ def test_few_finished_rollouts_are_dropped_as_stale_and_idle_shares_are_reported
     stale = loop["stale_dropped_rollouts"] - warm["stale"]
     assert finished > 0 and stale / finished < 0.05, f"{stale} of {finished} finished rollouts dropped as stale"
     for s in CONFIGS:
-        loop = runs[s]["summary"]["closed_loop"]
-        assert 0.0 <= loop["engine_idle_share"] <= 1.0
-        assert 0.0 <= loop["trainer_idle_share"] <= 1.0
-        assert 1.0 <= loop["agent_metrics"]["turns"] <= 2.0  # the digit agent's own metric, mean per rollout
+        summary = runs[s]["summary"]
+        loop = summary["closed_loop"]
+        waits = sum(r["shard_wait_s"] for r in runs[s]["records"])
+        print(f"max_staleness={s}: engine idle share {loop['engine_idle_share']}, trainer idle share "
+              f"{loop['trainer_idle_share']} ({waits:.2f} s of {summary['elapsed_s']} s), turns {loop['agent_metrics']}")
+        assert 0.0 < loop["engine_idle_share"] < 1.0, loop
+        assert loop["trainer_idle_share"] == pytest.approx(waits / summary["elapsed_s"], abs=2e-3), (loop, waits)
+        assert 1.0 < loop["agent_metrics"]["turns"] < 2.0, loop  # the digit agent's own metric, mean per rollout

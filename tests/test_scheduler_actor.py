@@ -53,6 +53,15 @@ def push_shuffled(scheduler, rollouts: list[list[dict]], *, seed: int, chunk: in
     return completed
 
 
+def wait_for_state(scheduler, condition, what: str, timeout_s: float = 60):
+    """Poll the scheduler's stats until `condition(stats)` holds; returns those stats. The deadline only guards a hang."""
+    deadline = time.monotonic() + timeout_s
+    while not condition(stats := call(scheduler.stats)):
+        assert time.monotonic() < deadline, f"the scheduler never showed {what}: {stats}"
+        time.sleep(0.05)
+    return stats
+
+
 def assert_ledger_closed(stats, pushed_ids: set, *, trained: int, dropped: int = 0):
     """Every accepted rollout in exactly one state; none trained twice; none disappeared."""
     states = stats.rollout_states
@@ -218,7 +227,9 @@ def test_backpressure_staleness_and_blocking_submit(scheduler_factory):
     again = call(scheduler.submit, [rows[i] for i in first.deferred])
     assert again.deferred == (0, 1) and again.backpressure_reason.startswith("staleness")
     blocked = scheduler.submit.remote([rows[i] for i in first.deferred], wait_s=20)  # waits for room
-    time.sleep(0.3)
+    # What holds it: two steps emitted, none trained (max_steps_ahead=1), the blocked rows not taken in.
+    wait_for_state(scheduler, lambda st: (st.steps_emitted, st.steps_trained, st.accepted_samples) == (2, 0, 4),
+                   "two steps in flight with none trained and the blocked rows not accepted")
     assert ray.wait([blocked], timeout=0)[0] == []
     call(scheduler.ack_step, 0, 0)
     assert ray.get(blocked, timeout=30).accepted == 2
@@ -250,7 +261,9 @@ def test_carry_policy_flush_waits_for_train_group_and_drops_at_end(scheduler_fac
     scheduler = scheduler_factory("sched-carry", batch=BatchConfig(global_batch_size=4, max_tokens_per_gpu=64, leftover="carry"))
     call(scheduler.submit, [r for i in range(6) for r in rollout_rows(f"c{i}", 1)])
     flushing = scheduler.flush.remote(timeout_s=30)
-    time.sleep(0.3)
+    # What holds it: every rollout ready, a full step formable, none emitted (no train group to lay it out for).
+    wait_for_state(scheduler, lambda st: (st.ready_rollouts, st.steps_emitted) == (6, 0),
+                   "six ready rollouts and no step emitted")
     assert ray.wait([flushing], timeout=0)[0] == []  # 4 ready rollouts are a step: wait for the train group
     call(scheduler.register_train_group, ParallelConfig(dp_size=1))
     assert ray.get(flushing, timeout=30).kept == 2  # carried: they wait for the next step
