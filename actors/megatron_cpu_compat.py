@@ -3,7 +3,7 @@
     activate()   # idempotent; does nothing when CUDA is available
 
 Megatron's pipeline schedule, DDP and optimizer allocate a few bookkeeping tensors with a
-hard-coded `device="cuda"` / `torch.cuda.current_device()` (PLATFORM_NOTES lists them). On a
+hard-coded `device="cuda"` / `torch.cuda.current_device()` (`_PATCHED_MODULES` below lists them). On a
 CPU-only machine, and only there, the name `torch` inside exactly those modules is rebound to
 `_CpuTorch`, a proxy that forwards everything to the real torch except that a CUDA device
 argument becomes the CPU and `torch.cuda.current_device()` / `synchronize()` are CPU no-ops.
@@ -15,7 +15,7 @@ global memory buffer (which `mappings` gets a CPU stand-in for): both are redire
 that assert CUDA tensors (`clip_grad_by_total_norm_fp32`, the l2-norm kernel behind the grad
 norm) are replaced by CPU equivalents, in the modules that imported them by name.
 
-Invariants (tests/test_megatron_cpu_compat.py): after `activate()` on CPU the patched modules'
+Invariants (tests/test_megatron_cpu_redirects.py): after `activate()` on CPU the patched modules'
 CUDA literals allocate on CPU, the real `torch` still refuses CUDA, and the grad norm and
 clipping equal a plain torch computation. With CUDA present `activate()` returns False and
 patches nothing (the GPU path runs Megatron unmodified).

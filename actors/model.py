@@ -118,7 +118,7 @@ def transformer_config(config: ModelConfig, *, tp_size: int, pp_size: int, cp_si
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=not on_gpu,
-        # The fusions need CUDA kernels (PLATFORM_NOTES); on GPU they are left to Megatron's defaults.
+        # The fusions need CUDA kernels; on GPU they are left to Megatron's defaults.
         **({} if on_gpu else dict(
             gradient_accumulation_fusion=False,
             bias_activation_fusion=False,
@@ -135,7 +135,7 @@ def _moe_settings(config: ModelConfig) -> dict:
 
     Softmax over the top-k router logits equals HF's softmax-then-top-k renormalised
     (`norm_topk_prob`); without renormalisation the softmax comes first (`moe_router_pre_softmax`).
-    SequentialMLP experts and the allgather dispatcher: what runs on CPU (PLATFORM_NOTES). No
+    SequentialMLP experts and the allgather dispatcher: what runs on CPU in megatron-core 0.16.1. No
     load-balancing loss: the policy loss is the only objective here (HF adds one only when asked to
     output router logits).
     """
@@ -148,7 +148,7 @@ def _moe_settings(config: ModelConfig) -> dict:
 
 
 def _pipeline_settings(pp_size: int, vpp_size: int, group: int | None, dtype: torch.dtype) -> dict:
-    """TransformerConfig fields of Megatron's pipeline schedule (PLATFORM_NOTES, "Megatron's own schedule").
+    """TransformerConfig fields of Megatron's pipeline schedule (Megatron's own schedule).
 
     Micro-batches are packed rows of different lengths: stages exchange shapes first
     (`variable_seq_lengths`, which Megatron accepts only with the alltoall dispatcher). Batched

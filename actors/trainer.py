@@ -132,7 +132,7 @@ class RankTrainer:
         return pad_micro_batches(own, agreed)
 
     def _check_interleaving(self, step: int, count: int) -> None:
-        """Megatron's interleaved schedule runs micro-batches in groups of N (PLATFORM_NOTES)."""
+        """Megatron's interleaved schedule runs micro-batches in groups of N (megatron-core's interleaved 1F1B)."""
         if self.config.vpp_size == 1:
             return
         group = self.config.microbatch_group

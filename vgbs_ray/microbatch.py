@@ -13,8 +13,8 @@ packed position j is scored by the logits at j - 1. `response_logit_index[k]` is
 for the k-th response token of the micro-batch (response tokens back to back in sample
 order, the layout of `vgbs_ray.loss`). A sample whose response starts at its first token has
 no logits for that token: it is not scorable, its numerator weight is 0 (`loss_weight`),
-while its rollout denominator stays the precomputed `rollout_mask_sums` (the known edge in
-SPEC: only numerators change).
+while its rollout denominator stays the precomputed `rollout_mask_sums` (the known edge:
+only numerators change).
 
 Invariants (tests/test_microbatch.py): the tokens are exactly the samples' tokens in order;
 sum of sequence lengths == T; the k-th response token is `tokens[response_logit_index[k] + 1]`.

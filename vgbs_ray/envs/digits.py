@@ -60,7 +60,7 @@ ANSWER_RULES: dict[str, Callable[[Sequence[int]], int]] = {
     "sum_mod_10": _sum_mod_10,
 }
 """Task rules by name: digits -> the one correct digit. `sum_mod_10` is the hard control
-(no structure to find from sparse reward: PLATFORM_NOTES measured it flat at chance)."""
+(no structure to find from sparse reward: measured flat at chance)."""
 
 
 @dataclass(frozen=True, kw_only=True)
