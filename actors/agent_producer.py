@@ -292,8 +292,9 @@ class AgentProducer:
         try:
             await asyncio.gather(*workers)
         except BaseException:
-            # One worker failed (every engine died and none came back in time, the scheduler is gone): the others stop too and abandon
-            # their groups, then the error goes to the caller (the job counts a failed producer).
+            # One worker failed (every engine died and none came back in time, the scheduler is gone): the
+            # others stop too and abandon their groups, then the error goes to the caller (the job counts a
+            # failed producer).
             self._stop.set()
             await asyncio.gather(*workers, return_exceptions=True)
             raise

@@ -40,6 +40,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.shutdown import actor_died, live_results, start_named, terminate
 from actors.weight_sync import PublishedWeights, WeightLoad
 from vgbs_ray.agents.generation import Generation, RequestTooLongError, SamplingConfig
 from vgbs_ray.checkpoint_files import TOKENIZER_FILES, has_tokenizer
@@ -269,8 +270,7 @@ class RolloutEngine:
             while (received := channel.receive()) is not None:
                 version, named = received
                 pending = asyncio.run_coroutine_threadsafe(self._submit("update", (version, dict(named))), loop)
-                load = pending.result()
-                loop.call_soon_threadsafe(self._loaded, load)
+                loop.call_soon_threadsafe(self._loaded, pending.result())
         except BaseException as error:  # noqa: BLE001 - the trainer went away (a recovery opens a new channel)
             if generation == self._channel_generation:
                 loop.call_soon_threadsafe(self._channel_failed, error)
@@ -444,18 +444,12 @@ def _per_prompt(sampling: SamplingConfig | Sequence[SamplingConfig], count: int)
 def engine_error(error: Exception, engine_name: str, what: str) -> Exception:
     """The error to raise for a failed call to engine `engine_name`: our own errors as they are
     (they name the engine already), a dead actor as `EngineDiedError`, anything else as `EngineError`."""
-    if engine_died(error):
+    if actor_died(error):
         return EngineDiedError(f"{what}: rollout engine {engine_name} died ({type(error).__name__})")
     cause = getattr(error, "cause", None)
     if isinstance(cause, VgbsError):
         return cause
     return EngineError(f"{what}: rollout engine {engine_name} failed: {cause or error!r}")
-
-
-def engine_died(error: BaseException) -> bool:
-    """Whether a failed call means the engine's actor is gone (not that the call raised inside it: Ray makes
-    that RayTaskError an instance of its cause's class too)."""
-    return isinstance(error, ray.exceptions.RayActorError) and not isinstance(error, ray.exceptions.RayTaskError)
 
 
 def _settle(future: asyncio.Future, setter, value) -> None:
@@ -499,7 +493,7 @@ class EngineClient:
             try:
                 return await handle.generate.remote(list(prompts), sampling)
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as error:
-                if not engine_died(error) or engine_index is not None:
+                if not actor_died(error) or engine_index is not None:
                     raise engine_error(error, self.names[index], "generate") from error
                 self._mark_dead(index, handle)  # the request goes to another engine (or waits for a replacement)
             finally:
@@ -517,7 +511,7 @@ class EngineClient:
             versions = []
             for index, answer in zip(live, answers):
                 if isinstance(answer, BaseException):
-                    if not engine_died(answer):
+                    if not actor_died(answer):
                         raise engine_error(answer, self.names[index], "current_policy_version") from answer
                     self._mark_dead(index, self.engines[index])
                 else:
@@ -601,8 +595,6 @@ class RolloutEnginePool:
             ray.kill(self.engines[index], no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
-        from actors.shutdown import start_named
-
         engine = start_named(lambda: self._start(index, serve_from_version), name_timeout_s)
         try:
             if weights is not None:
@@ -643,15 +635,7 @@ class RolloutEnginePool:
 
     def utilization(self) -> list[EngineUtilization]:
         """Each live engine's busy and idle time since it started (see `EngineUtilization`); a dead one is left out."""
-        refs = [engine.utilization.remote() for engine in self.engines]
-        ray.wait(refs, num_returns=len(refs), timeout=self.config.call_timeout_s)
-        usage = []
-        for ref in refs:
-            try:
-                usage.append(ray.get(ref, timeout=0))
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                continue
-        return usage
+        return live_results([engine.utilization.remote() for engine in self.engines], self.config.call_timeout_s)
 
     def wait_for_weights(self, loads: list[ray.ObjectRef], timeout_s: float | None = None) -> list[WeightLoad]:
         return self._wait(loads, self.config.call_timeout_s if timeout_s is None else timeout_s, "update_weights")
@@ -687,8 +671,6 @@ class RolloutEnginePool:
 
     def shutdown(self) -> None:
         """End the engines (gracefully: `actors/shutdown.py`), then free their placement group."""
-        from actors.shutdown import terminate
-
         terminate(self.engines)
         self.engines = []
         if self._pg is not None:

@@ -1,6 +1,9 @@
-"""Ending actors gracefully, so a finished run shows no failed task; starting one under a dead one's name.
+"""Actor life and death: ending actors gracefully (a finished run shows no failed task), telling a dead
+actor from a failed call, starting one under a dead one's name.
 
     terminate(actors, timeout_s=10)
+    actor_died(error)                       # the actor is gone (not: its method raised)
+    live_results(refs, timeout_s=60)        # the answers of the calls whose actors are alive
     actor = start_named(lambda: ActorClass.options(name="x").remote(), timeout_s=30)
 
 `ray.kill` ends a worker at once: the events of the tasks it finished in its last second are not
@@ -19,6 +22,25 @@ from typing import Callable, Sequence
 import ray
 
 _EXITED = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError)
+
+
+def actor_died(error: BaseException) -> bool:
+    """Whether a failed call means its actor is gone (killed, OOM, node lost), not that the call raised inside
+    it (Ray makes that RayTaskError an instance of its cause's class too)."""
+    return isinstance(error, ray.exceptions.RayActorError) and not isinstance(error, ray.exceptions.RayTaskError)
+
+
+def live_results(refs: Sequence, timeout_s: float) -> list:
+    """The results of `refs` (one call each to different actors) that came back within `timeout_s`, in order;
+    a call whose actor died, or that did not answer in time, is left out."""
+    ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    results = []
+    for ref in refs:
+        try:
+            results.append(ray.get(ref, timeout=0))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            continue
+    return results
 
 
 def start_named(start: Callable, timeout_s: float = 30.0):

@@ -40,7 +40,7 @@ import ray
 from actors.agent_producer import PRODUCER_NAME, AgentProducerConfig, PromptSpec, start_agent_producer
 from actors.hf_checkpoint import write_hf_checkpoint
 from actors.rollout_engine import RolloutEnginePool
-from actors.shutdown import start_named, terminate
+from actors.shutdown import live_results, start_named, terminate
 from actors.weight_sync import WeightSyncConfig, open_weight_channel, publish_weights, send_weights
 
 log = logging.getLogger("vgbs.job")
@@ -227,14 +227,14 @@ class ClosedLoop:
         with self._lock:
             version, published = self.policy_version, self.published
         collective = self.weight_sync.transport == "collective"
-        engine = self.engines.replace(index, serve_from_version=version + 1 if collective else version,
-                                      weights=None if collective else published)
+        serves_from = version + 1 if collective else version  # over a collective: the next version sent
+        engine = self.engines.replace(index, serve_from_version=serves_from, weights=None if collective else published)
         with self._lock:
             if collective:
                 self.channel_group = None
             elif self.published is not published:  # a publish went out while it started
                 engine.update_weights.remote(self.published.policy_version, self.published.ref)
-            return self.policy_version if not collective else version + 1
+        return serves_from
 
     def failure(self) -> str | None:
         """Why the engines could not be kept (the engine watch's verdict), or None."""
@@ -265,14 +265,8 @@ class ClosedLoop:
     def drain_sampled_reward(self) -> float | None:
         """Mean reward of every rollout the producers pushed since the previous call (filtered groups
         included: the sampling policy's own reward), or None when none was pushed."""
-        refs = [actor.drain_rewards.remote() for actor, _ in self.producers]
-        ray.wait(refs, num_returns=len(refs), timeout=60)
-        pairs = []
-        for ref in refs:  # a dead producer (the producer watch restarts it) has nothing to say
-            try:
-                pairs.append(ray.get(ref, timeout=0))
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                continue
+        # A dead producer (the producer watch restarts it) has nothing to say.
+        pairs = live_results([actor.drain_rewards.remote() for actor, _ in self.producers], 60)
         count = sum(c for _, c in pairs)
         return sum(s for s, _ in pairs) / count if count else None
 

@@ -28,7 +28,7 @@ from typing import Literal
 
 import ray
 
-from actors.rollout_engine import engine_died
+from actors.shutdown import actor_died
 
 log = logging.getLogger("vgbs.job")
 
@@ -100,7 +100,7 @@ class EngineWatch(threading.Thread):
         try:
             busy_for_s, died = ray.get(ref), False
         except Exception as error:  # noqa: BLE001 - the verdict tells a death from a failed call
-            busy_for_s, died = 0.0, engine_died(error)
+            busy_for_s, died = 0.0, actor_died(error)
             if not died:
                 log.warning("engine health call failed: %r", error)
         return verdict(answered=True, died=died, busy_for_s=busy_for_s, waited_s=time.monotonic() - sent,

@@ -26,7 +26,7 @@ from typing import Callable
 
 import ray
 
-from actors.shutdown import terminate
+from actors.shutdown import actor_died, terminate
 
 log = logging.getLogger("vgbs.job")
 
@@ -63,10 +63,7 @@ class ProducerWatch(threading.Thread):
             try:
                 self.reports.append(ray.get(ready[0]))
             except Exception as error:  # noqa: BLE001 - a failed producer ends its input; training goes on
-                # The actor itself died (not its `run` raising, e.g. because the scheduler died: Ray makes that
-                # RayTaskError an instance of its cause too).
-                died = isinstance(error, ray.exceptions.RayActorError) and not isinstance(error, ray.exceptions.RayTaskError)
-                if not died:
+                if not actor_died(error):  # its `run` raised (e.g. the scheduler died): a failure, not a death
                     self.failed += 1
                     log.error("producer %d failed: %r", index, error)
                     continue
