@@ -20,8 +20,8 @@ setup: $(VENV)/.installed
 demo: setup  # the closed loop: vLLM engine, the digit agent (examples/digit_agent.py), weight sync; the reward rises (~3 min on 2 cores)
 	$(PY) -m jobs.train
 
-demo-synthetic: setup  # synthetic producers instead of the closed loop (full and partial steps, ~20 s)
-	$(PY) -m jobs.train --set closed_loop.enabled=false
+demo-synthetic: setup  # the synthetic preset: its agent makes samples, no engines (full and partial steps, ~20 s)
+	$(PY) -m jobs.train --preset synthetic
 
 test: setup
 	$(PY) -m pytest -q --durations=20

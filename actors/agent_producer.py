@@ -438,8 +438,9 @@ class AgentProducer:
         return True
 
     async def _no_engines(self, token_ids, sampling: SamplingConfig):
-        raise EngineError("this job runs no rollout engines (closed_loop.enabled=false): an agent here makes its "
-                          "samples itself (ctx.add_sample); set closed_loop.enabled=true to sample the policy")
+        raise EngineError("this job runs no rollout engines (closed_loop.enabled=false, as in the synthetic preset): "
+                          "an agent here makes its samples itself (ctx.add_sample); set closed_loop.enabled=true "
+                          "to sample the policy")
 
     async def _generate(self, local: int, token_ids, sampling: SamplingConfig):
         self._awaiting_engine[local] = self._awaiting_engine.get(local, 0) + 1

@@ -17,7 +17,7 @@ from pathlib import Path
 import ray
 import torch
 
-from actors.scheduler_api import ShardRef
+from actors.shard_ref import ShardRef
 from actors.train_config import RankInfo, RankStepResult, TrainGroupConfig
 from vgbs_ray.shard import StepShard
 

@@ -81,7 +81,8 @@ def producer_vs_direct() -> tuple[float, float]:
 
     from actors.agent_producer import AgentProducer, AgentProducerConfig, PromptSpec
     from actors.rollout_engine import EngineConfig, RolloutEnginePool
-    from actors.scheduler_actor import SchedulerConfig, create_scheduler
+    from vgbs_ray.scheduler_types import SchedulerConfig
+    from actors.scheduler_actor import create_scheduler
     from tests.hf_support import tiny_hf_llama
     from vgbs_ray.config import BatchConfig
 

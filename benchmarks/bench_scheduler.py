@@ -51,7 +51,8 @@ import numpy as np
 import psutil
 import ray
 
-from actors.scheduler_actor import SchedulerConfig, create_scheduler
+from vgbs_ray.scheduler_types import SchedulerConfig
+from actors.scheduler_actor import create_scheduler
 from vgbs_ray.config import BatchConfig, ParallelConfig
 
 BATCH_SAMPLES = 64

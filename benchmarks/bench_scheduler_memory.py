@@ -56,7 +56,8 @@ import time
 import numpy as np
 import ray
 
-from actors.scheduler_actor import SchedulerConfig, create_scheduler
+from vgbs_ray.scheduler_types import SchedulerConfig
+from actors.scheduler_actor import create_scheduler
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.intake import IntakeConfig
 

@@ -1,6 +1,6 @@
 """The synthetic agent: made-up multi-sample rollouts for the scheduler, without rollout engines.
 
-    python -m jobs.train --set closed_loop.enabled=false      # the job's synthetic preset runs this agent
+    python -m jobs.train --preset synthetic                   # the job's synthetic preset runs this agent
 
 An agent like any user's (the public API only), but it samples nothing: each rollout is a few
 synthetic samples (`vgbs_ray.synthetic`: 1..N samples per rollout, lognormal lengths, masked tool

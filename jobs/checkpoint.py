@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 
 import ray
 
-from actors.scheduler_actor import SchedulerState
+from vgbs_ray.scheduler_state import SchedulerState
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.resume import ledger_record
 

@@ -3,11 +3,13 @@
     JobConfig
       run          RunConfig          steps, outputs, checkpoints, Ray address
       closed_loop  ClosedLoopConfig   the rollouts: an agent in producers, sampling vLLM engines on the policy
-                                      (the digit task by default; enabled=false: no engines, the synthetic agent)
+                                      (the digit task; enabled=false: no engines, the agent makes its samples)
       scheduler    SchedulerConfig    batch (gbs in rollouts, token cap, balance, leftover), buffers
       train        TrainGroupConfig   model, optimizer, loss, parallel sizes, placement
 
-`load_job_config(path, overrides)` builds it; every error names the key and the fix.
+`load_job_config(path, overrides, preset)` builds it on a preset (`PRESETS`: `closed_loop`, the
+default, and `synthetic`: whole configs); every error names the key and the fix. A JobConfig
+built in Python is checked by itself the same way.
 Cross-component checks (schedule alignment, sequence lengths vs the model) run here too,
 so a wrong config fails at start-up, before any actor exists.
 """
@@ -21,7 +23,7 @@ from typing import Literal
 
 from actors.rollout_engine import EngineConfig
 from actors.weight_sync import WeightSyncConfig
-from actors.scheduler_api import SchedulerConfig
+from vgbs_ray.scheduler_types import SchedulerConfig
 from actors.train_config import LossConfig, ModelConfig, OptimizerConfig, TrainGroupConfig
 from jobs.config_loader import apply_overrides, config_from_mapping, describe, load_yaml
 from jobs.tracking import LOGGER_NAMES
@@ -166,10 +168,8 @@ class ClosedLoopConfig:
     """
 
     enabled: bool = True
-    """false: no rollout engines (the agent makes its samples itself, ctx.add_sample), and the defaults
-    become the synthetic preset's (SYNTHETIC_DEFAULTS: the synthetic agent, examples/synthetic_agent.py,
-    30 prompts in groups of 2, gbs 8, 8 steps, checkpoint every 2, on-policy ppo: its samples carry no
-    behaviour log-probs, vocabulary 128, lr 1e-4); keys you set still win."""
+    """Whether rollout engines run. false: none; the agent makes its samples itself (ctx.add_sample), as the
+    synthetic preset's does (`--preset synthetic`), and their versions are not bounded (no staleness rules)."""
     agent: str = f"{DIGIT_AGENT}:make_agent"
     """Import path of the agent factory ('module:function'), called with agent_kwargs; ship the module with
     `ray job submit --working-dir .` (or run from its directory)."""
@@ -256,9 +256,10 @@ class JobConfig:
         model = self.train.model
         if self.closed_loop.enabled:
             self._check_closed_loop()
-        elif self.scheduler.max_staleness is not None:
-            raise ConfigError(f"scheduler.max_staleness={self.scheduler.max_staleness} needs rollout engines: with "
-                              "closed_loop.enabled=false samples carry no policy version to bound; leave it out")
+        if self.scheduler.max_staleness is not None:
+            raise ConfigError(f"scheduler.max_staleness={self.scheduler.max_staleness}: the job has one staleness bound, "
+                              "train.loss.off_policy.max_staleness (the loss corrects for it and the scheduler enforces "
+                              "it when engines run); set that and leave scheduler.max_staleness out")
         intake = self.scheduler.intake
         if intake.vocab_size is not None and intake.vocab_size != model.vocab_size:
             raise ConfigError(f"scheduler.intake.vocab_size={intake.vocab_size} must equal train.model.vocab_size="
@@ -301,38 +302,46 @@ class JobConfig:
 SYNTHETIC_AGENT = "examples.synthetic_agent"
 """The synthetic preset's agent module (examples/synthetic_agent.py)."""
 
-SYNTHETIC_DEFAULTS = {
-    "closed_loop": {"agent": f"{SYNTHETIC_AGENT}:make_agent", "prompts": f"{SYNTHETIC_AGENT}:make_prompts",
-                    "num_prompts": 30, "group_size": 2, "groups_in_flight": 4, "tokenizer_dir": None,
-                    "sample_push_fraction": 0.5},
-    "run": {"num_steps": 8, "checkpoint_every": 2},
-    "scheduler": {"batch": {"global_batch_size": 8}},
-    "train": {"loss": {"off_policy": {"max_staleness": 0, "policy_loss": "ppo"}},
-              "model": {"vocab_size": ModelConfig().vocab_size},  # the synthetic rollouts' default vocabulary
-              "optimizer": {"lr_schedule": {"lr": LRScheduleConfig().lr}}},
-}
-"""The defaults that change with closed_loop.enabled=false: the synthetic preset (its agent's samples
-have no policy versions and no behaviour log-probs, their tokens span 128 ids, half its groups are
-pushed sample by sample, and a short run shows full and partial steps)."""
+
+def closed_loop_preset() -> JobConfig:
+    """The default: the closed-loop digit task (vLLM engine, examples/digit_agent.py, weight sync, staleness 1
+    with decoupled PPO, 100 steps); the reward rises."""
+    return JobConfig()
 
 
-def _with_defaults(mapping: dict, defaults: dict) -> dict:
-    """`mapping` with every key of `defaults` it does not set (nested sections merged)."""
-    merged = dict(mapping)
-    for key, value in defaults.items():
-        if isinstance(value, dict) and isinstance(merged.get(key, {}), dict):
-            merged[key] = _with_defaults(merged.get(key, {}), value)
-        else:
-            merged.setdefault(key, value)
-    return merged
+def synthetic_preset() -> JobConfig:
+    """No engines: the synthetic agent makes its samples itself (examples/synthetic_agent.py): no policy
+    versions and no behaviour log-probs (so on-policy ppo), tokens over 128 ids, half its groups pushed sample
+    by sample, some uniform or malformed; 30 prompts in groups of 2 at gbs 8 show full and partial steps in
+    8 steps, a checkpoint every 2."""
+    closed_loop = ClosedLoopConfig(
+        enabled=False, agent=f"{SYNTHETIC_AGENT}:make_agent", prompts=f"{SYNTHETIC_AGENT}:make_prompts",
+        num_prompts=30, group_size=2, groups_in_flight=4, tokenizer_dir=None, sample_push_fraction=0.5)
+    scheduler = _default_scheduler()
+    train = _default_train()
+    return JobConfig(
+        run=RunConfig(num_steps=8, checkpoint_every=2), closed_loop=closed_loop,
+        scheduler=replace(scheduler, batch=replace(scheduler.batch, global_batch_size=8)),
+        train=replace(train, model=ModelConfig(), optimizer=OptimizerConfig(),
+                      loss=replace(train.loss, off_policy=OffPolicyConfig(max_staleness=0, policy_loss="ppo"))))
 
 
-def load_job_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
-    """JobConfig from a YAML file (or the embedded default) with `section.key=value` overrides."""
+PRESETS = {"closed_loop": closed_loop_preset, "synthetic": synthetic_preset}
+"""Whole job configs by name: `--preset NAME` (or `preset: NAME` at the top of a YAML file); the file's keys
+and `--set` overrides then change that preset's fields, nothing else."""
+DEFAULT_PRESET = "closed_loop"
+
+
+def load_job_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = (),
+                    preset: str | None = None) -> JobConfig:
+    """JobConfig from a preset (`preset`, else the YAML file's top-level `preset:` or a `preset=NAME`
+    override, else the closed loop) with the YAML file's keys and `section.key=value` overrides on top."""
     mapping = apply_overrides(load_yaml(path), list(overrides))
-    if (mapping.get("closed_loop") or {}).get("enabled") is False:
-        mapping = _with_defaults(mapping, SYNTHETIC_DEFAULTS)
-    return config_from_mapping(JobConfig, _with_checkpoint_model(mapping))
+    named = mapping.pop("preset", None)
+    name = preset or named or DEFAULT_PRESET
+    if name not in PRESETS:
+        raise ConfigError(f"preset {name!r} is unknown; pick one of {sorted(PRESETS)}")
+    return config_from_mapping(JobConfig, _with_checkpoint_model(mapping), base=PRESETS[name]())
 
 
 def _with_checkpoint_model(mapping: dict) -> dict:

@@ -1,12 +1,21 @@
 """In-job recovery: the train group's owner, checkpoints the scheduler knows about, restarts.
 
+    scheduler = create_scheduler(job_scheduler_config(config))   # retains trained steps when the job may recover
     controller = TrainController(config, scheduler, first_step=0, restore_from=None)
     controller.start()                                   # the first group (restored if resuming)
     controller.attach_producers(producers, cursors)      # their cursors go into each checkpoint
-    result = controller.group.train_step(step, scheduler)
-    controller.checkpoint(next_step)                     # durable; the scheduler may settle those steps
-    step = controller.recover(error, failed_step)        # or raises JobFailedError / SchedulerLostError
+    try:
+        result = controller.group.train_step(step, scheduler)
+        controller.checkpoint(step + 1)                  # durable; the scheduler may settle those steps
+    except RECOVERABLE_ERRORS as error:                  # what a step loop hands over
+        step = controller.recover(error, step)           # or raises JobFailedError / SchedulerLostError
     controller.shutdown()
+
+The rules that belong to recovery live here, each once: which errors a step loop hands to
+`recover` (`RECOVERABLE_ERRORS`), what kind of failure each is (`TrainController._classify`),
+and whether the scheduler retains trained steps until a checkpoint (`retains_until_checkpoint`:
+the job's scheduler config, `job_scheduler_config`, and the controller's `checkpointed` calls
+both follow it).
 
 Recovery (the failure policy in `vgbs_ray/failure_policy.py` decides, this acts):
 1. classify the error; first ask the scheduler whether it is alive (bounded by
@@ -32,12 +41,14 @@ the scheduler's exported state (jobs/checkpoint.py), so a later job resumes exac
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 
 import ray
 
+from vgbs_ray.scheduler_types import SchedulerConfig
 from actors.train_group import PlacementGroupTimeoutError, TrainGroup, TrainStepError
 from jobs.checkpoint import load_job_state, producer_cursors, save_job_state
 from jobs.job_config import JobConfig
@@ -48,6 +59,27 @@ log = logging.getLogger("vgbs.job")
 
 SCHEDULER_PROBE_TIMEOUT_S = 10.0
 """How long a failure waits for the scheduler to answer before it counts as lost (bounds detection)."""
+
+RECOVERABLE_ERRORS = (TrainStepError, PlacementGroupTimeoutError, ray.exceptions.RayActorError,
+                      ray.exceptions.GetTimeoutError)
+"""What a step loop hands to `TrainController.recover`, which classifies it (`_classify`: an error of
+these the scheduler's probe and the policy cannot place is raised as it is) and asks the failure policy."""
+
+
+def retains_until_checkpoint(config: JobConfig) -> bool:
+    """The retain rule: `run.max_failures > 0` means the scheduler retains trained rollouts until a
+    checkpoint holds their step (a recovery rewinds to the latest checkpoint and trains the steps after
+    it again); a fail-fast job (0) settles each step as it trains."""
+    return config.run.max_failures > 0
+
+
+def job_scheduler_config(config: JobConfig) -> SchedulerConfig:
+    """The job's SchedulerConfig: the model's limits filled in, `retain_until_checkpoint` set when
+    `retains_until_checkpoint` says so (a scheduler restored in the job is made with the same one)."""
+    scheduler_config = config.scheduler_with_model_limits()
+    if retains_until_checkpoint(config):
+        scheduler_config = dataclasses.replace(scheduler_config, retain_until_checkpoint=True)
+    return scheduler_config
 
 
 class JobFailedError(VgbsError, RuntimeError):
@@ -115,8 +147,9 @@ class TrainController:
 
     @property
     def retains(self) -> bool:
-        """Whether trained steps stay rewindable until a checkpoint (the scheduler must be made so)."""
-        return self.config.run.max_failures > 0
+        """Whether trained steps stay rewindable until a checkpoint (`retains_until_checkpoint`; the job's
+        scheduler is made so by `job_scheduler_config`)."""
+        return retains_until_checkpoint(self.config)
 
     @property
     def checkpointed_step(self) -> int:

@@ -1,7 +1,7 @@
 """The vgbs-ray training job: agentic producers -> SchedulerActor -> Megatron TrainActors.
 
-    python -m jobs.train                                  # embedded default: the closed loop, in-process Ray
-    python -m jobs.train --set closed_loop.enabled=false  # the synthetic agent instead (no engines)
+    python -m jobs.train                                  # the closed_loop preset, in-process Ray
+    python -m jobs.train --preset synthetic               # the synthetic agent instead (no engines)
     python -m jobs.train --config jobs/configs/cluster_16gpu.yaml --set scheduler.batch.global_batch_size=6
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
         python -m jobs.train --set run.ray_address=auto
@@ -10,7 +10,7 @@ The default is the closed loop (jobs/closed_loop.py): vLLM engines start from th
 initial weights, AgentProducers run the configured agent (closed_loop.agent; the demo's digit
 agent by default, docs/agents.md) through them, and after every optimizer
 step the train group publishes its weights (policy version = steps trained) and the engines load
-them without the trainer waiting. With closed_loop.enabled=false the same producers run the
+them without the trainer waiting. The synthetic preset runs the same producers with the
 synthetic agent (examples/synthetic_agent.py: made-up samples, no engines) instead.
 
 Per step it prints one line (rollouts, samples, micro-batches per rank, tokens, loss,
@@ -37,15 +37,15 @@ import ray
 
 from actors.scheduler_actor import create_scheduler
 from actors.shutdown import start_named, terminate
-from actors.train_group import PlacementGroupTimeoutError, TrainStepError
 from jobs.checkpoint import latest_checkpoint, load_resume_point
 from jobs.closed_loop import ClosedLoop
-from jobs.job_config import JobConfig, load_job_config, options_help
+from jobs.job_config import PRESETS, JobConfig, load_job_config, options_help
 from jobs.job_metrics import JobMetrics
 from jobs.metric_names import counters_from_stats, step_values
 from jobs.producer_watch import ProducerWatch, stop_producers
 from jobs.progress import StepLine, StepRecorder, plot_records, read_records
-from jobs.recovery import JobFailedError, TrainController
+from jobs.summary import closed_loop_summary, producers_outcome, step_line, summarize
+from jobs.recovery import RECOVERABLE_ERRORS, JobFailedError, TrainController, job_scheduler_config
 from jobs.tracking import Tracker
 from vgbs_ray.errors import ConfigError
 
@@ -59,8 +59,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="options (set in the YAML file or with --set section.key=value):\n" + options_help(),
     )
-    parser.add_argument("--config", help="YAML file with sections run, closed_loop, scheduler, train "
-                                         "(default: embedded)")
+    parser.add_argument("--preset", choices=sorted(PRESETS),
+                        help="the whole config to start from (default: the YAML's `preset:`, else closed_loop)")
+    parser.add_argument("--config", help="YAML file with sections run, closed_loop, scheduler, train, and optionally "
+                                         "`preset: NAME`; its keys change the preset's")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override one option, e.g. --set scheduler.batch.global_batch_size=6 (repeatable)")
     parser.add_argument("--records", help="JSON Lines file for per-step records (default: <run.output_dir>/steps.jsonl)")
@@ -114,18 +116,6 @@ def check_cluster_fits(config: JobConfig, resources: dict[str, float]) -> None:
             )
 
 
-def step_line(result, record) -> StepLine:
-    return StepLine(
-        step=result.step, num_rollouts=result.num_rollouts, num_samples=record.num_samples,
-        microbatches_per_rank=record.microbatches_per_rank[0], num_tokens=record.num_tokens,
-        loss=result.metrics.get("loss", float("nan")), reward=result.metrics.get("reward", float("nan")),
-        step_time_s=result.step_time_s, lr=result.lr, layout=record.layout, partial=record.partial,
-        # The scheduler's staleness figures, where its records carry them.
-        staleness_mean=record.staleness_mean, staleness_max=record.staleness_max,
-        log_prob_mismatch=result.metrics.get("log_prob_mismatch"), shard_wait_s=result.shard_wait_s,
-    )
-
-
 def train(config: JobConfig, records_path: str, on_event=None) -> dict:
     """Run the job on an initialised Ray; returns the summary (see `Job`).
 
@@ -138,11 +128,6 @@ def train(config: JobConfig, records_path: str, on_event=None) -> dict:
         return job.run()
     finally:
         job.close()
-
-
-RECOVERABLE_ERRORS = (TrainStepError, PlacementGroupTimeoutError, ray.exceptions.RayActorError,
-                      ray.exceptions.GetTimeoutError)
-"""What the step loop hands to `TrainController.recover` (which asks the failure policy)."""
 
 
 class Job:
@@ -163,10 +148,7 @@ class Job:
 
     def __init__(self, config: JobConfig, records_path: str, on_event=None):
         self.config, self.records_path, self.on_event = config, records_path, on_event
-        scheduler_config = config.scheduler_with_model_limits()
-        if config.run.max_failures > 0:  # trained steps stay rewindable until a checkpoint holds them
-            scheduler_config = dataclasses.replace(scheduler_config, retain_until_checkpoint=True)
-        self.scheduler_config = scheduler_config
+        self.scheduler_config = job_scheduler_config(config)
         self.metrics = JobMetrics(config.run.output_dir)
         self.scheduler = self.controller = self.loop = self.watch = self.tracker = None
         self.finished_watches: list[ProducerWatch] = []  # producer watches of schedulers that were lost
@@ -368,105 +350,10 @@ class Job:
             terminate([self.scheduler])
 
 
-def producers_outcome(watches: list[ProducerWatch]) -> dict:
-    """How the producers ended, summed over every producer watch of the run (one per scheduler it had)."""
-    outcomes = [watch.outcome() for watch in watches]
-    total = {key: sum(o[key] for o in outcomes) for key in ("finished", "stopped", "failed", "abandoned_rollouts")}
-    return {**total, "input_closed": outcomes[-1]["input_closed"],
-            "restarts": [r for o in outcomes for r in o["restarts"]]}
-
-
-def summarize(stats, trained: list[StepLine], elapsed_s: float, controller: TrainController | None = None) -> dict:
-    """The run's summary: rollouts per step, what the ledger says became of every rollout, throughput,
-    and each recovered failure (what it cost)."""
-    rollouts = sum(line.num_rollouts for line in trained)
-    return {
-        "steps": len(trained),
-        "rollouts_per_step": [line.num_rollouts for line in trained],
-        "rollouts_trained": rollouts,
-        "rollouts_by_state": stats.ledger.rollouts_by_state,
-        "dropped_by_reason": stats.ledger.dropped_by_reason,
-        "rejected_samples_by_rule": stats.ledger.rejected_samples_by_rule,
-        "incomplete_rollouts": len(stats.incomplete_rollouts),
-        "consumed_rollouts": controller.consumed_rollouts if controller is not None else None,
-        "recoveries": [dataclasses.asdict(r) for r in controller.recoveries] if controller is not None else [],
-        "elapsed_s": round(elapsed_s, 2),
-        "rollouts_per_s": round(rollouts / elapsed_s, 3) if elapsed_s > 0 else None,
-    }
-
-
-def closed_loop_summary(trained: list[StepLine], reports: list, loop: ClosedLoop, *, stats=None,
-                        elapsed_s: float | None = None) -> dict:
-    """The closed loop's part of the summary: reward curve ends, staleness, sync times, producer counts,
-    groups the agents lost by reason, the agents' own metrics (producer figures count this run's producers
-    only: a resumed run's ledger figures include the earlier run, these do not), and how the overlap went
-    (`overlap_summary`, when the scheduler's `stats` and the step loop's `elapsed_s` are given)."""
-    def mean(values):
-        values = [v for v in values if v is not None and v == v]
-        return round(sum(values) / len(values), 4) if values else None
-
-    sampled = [line.sampled_reward for line in trained]
-    counts = {key: sum(getattr(r, key) for r in reports)
-              for key in ("groups", "rollouts", "samples", "deferred_retries", "rejected_samples",
-                          "abandoned_rollouts", "not_admitted", "skipped_known_groups", "endpoint_refused")}
-    failed: dict[str, int] = {}
-    for report in reports:
-        for reason, groups in report.failed_groups.items():
-            failed[reason] = failed.get(reason, 0) + groups
-    return {
-        "sampled_reward_first10": mean(sampled[:10]), "sampled_reward_last10": mean(sampled[-10:]),
-        "trained_reward_first10": mean([line.reward for line in trained[:10]]),
-        "trained_reward_last10": mean([line.reward for line in trained[-10:]]),
-        "staleness_mean": mean([line.staleness_mean for line in trained]),
-        "staleness_max": max((line.staleness_max for line in trained if line.staleness_max is not None), default=None),
-        "weight_sync_s_mean": mean([line.weight_sync_s for line in trained]),
-        "trainer_wait_s_total": round(sum(line.shard_wait_s or 0.0 for line in trained), 2),
-        "engine_load_s_mean": mean([seconds for _, seconds in loop.load_times_s]),
-        "engine_idle_share": round(loop.engine_idle_share(), 3),
-        "restored_versions": loop.restored_versions,
-        "engine_replacements": list(loop.engine_watch.replacements) if loop.engine_watch is not None else [],
-        "producers": counts,
-        "failed_groups": failed,
-        "agent_metrics": agent_metrics(reports),
-        "engine_wait_s": round(sum(r.engine_wait_s for r in reports), 2),
-        "producer_idle_s": round(sum(r.idle_s for r in reports), 2),
-        **(overlap_summary(trained, stats, elapsed_s) if stats is not None else {}),
-    }
-
-
-def agent_metrics(reports: list) -> dict:
-    """Each metric the agents reported, as its mean per pushed rollout over every producer."""
-    sums: dict[str, float] = {}
-    rollouts = sum(r.rollouts for r in reports)
-    for report in reports:
-        for name, mean in report.agent_metrics.items():
-            sums[name] = sums.get(name, 0.0) + mean * report.rollouts
-    return {name: round(total / rollouts, 4) for name, total in sums.items()} if rollouts else {}
-
-
-def overlap_summary(trained: list[StepLine], stats, elapsed_s: float | None) -> dict:
-    """Did sampling overlap training, and at what cost (shares are fractions in [0, 1]):
-
-    - trainer_idle_share: the train group's summed shard waits over the step loop's wall time;
-    - finished_rollouts: rollouts the scheduler accepted whole (trained, dropped for any reason
-      or still buffered; `incomplete_rollout` drops excluded); stale_drop_share: the ones dropped
-      as too stale (`stale`) over them;
-    """
-    drops = stats.ledger.dropped_by_reason
-    finished = stats.ledger.num_rollouts_accepted - drops.get("incomplete_rollout", 0)
-    wait_s = sum(line.shard_wait_s or 0.0 for line in trained)
-    return {
-        "trainer_idle_share": round(wait_s / elapsed_s, 3) if elapsed_s else None,
-        "finished_rollouts": finished,
-        "stale_dropped_rollouts": drops.get("stale", 0),
-        "stale_drop_share": round(drops.get("stale", 0) / finished, 4) if finished else None,
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
-    config = load_job_config(args.config, args.set)  # a wrong config fails here, before any actor exists
+    config = load_job_config(args.config, args.set, preset=args.preset)  # a wrong config fails here, before any actor exists
     check_tokenizer_fits(config)
     out = config.run.output_dir
     os.makedirs(out, exist_ok=True)

@@ -9,26 +9,17 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import fields
 
 import ray
 
 from actors.agent_producer import PRODUCER_NAME
 from actors.scheduler_actor import DEFAULT_NAME
-from actors.scheduler_api import Admission, SubmitResult
-from actors.train_config import LossConfig
-from jobs.job_config import JobConfig
+from vgbs_ray.scheduler_types import Admission, SubmitResult
 
 
 def synthetic_producers() -> list[str]:
-    """`--set` items for the synthetic preset where the job defaults to the closed loop. Synthetic
-    samples carry no behaviour log-probs, so the loss is on-policy PPO with no staleness."""
-    if "closed_loop" not in {f.name for f in fields(JobConfig)}:
-        return []
-    extra = ["closed_loop.enabled=false"]
-    if "off_policy" in {f.name for f in fields(LossConfig)}:
-        extra += ["train.loss.off_policy.max_staleness=0", "train.loss.off_policy.policy_loss=ppo"]
-    return extra
+    """`--set` items that select the synthetic preset (the job defaults to the closed loop)."""
+    return ["preset=synthetic"]
 
 
 def make_held_agent(hold_until: str, **synthetic_kwargs):

@@ -24,7 +24,8 @@ import random
 from dataclasses import dataclass, field
 
 from vgbs_ray.staleness import STALE_REASON, split_stale, staleness
-from vgbs_ray.staleness_window import StalenessWindow, StepPlan
+from vgbs_ray.staleness_window import StalenessWindow
+from vgbs_ray.step_choice import StepChoice
 
 RULE_SETS = ("full", "admission_only", "none")
 
@@ -77,12 +78,12 @@ class SimResult:
         return sum(self.started[r] for r in ids) / len(ids) if ids else 0.0
 
 
-def _arrival_order_plan(window: StalenessWindow, buffer: dict, allow_partial: bool) -> StepPlan:
+def _arrival_order_plan(window: StalenessWindow, buffer: dict, allow_partial: bool) -> StepChoice:
     """Steps without the last-chance rule: stale drops, then the first gbs in arrival order."""
     split = split_stale(buffer, trained_version=window.steps_formed, max_staleness=window.max_staleness)
     if not split.fresh or (len(split.fresh) < window.gbs and not allow_partial):
-        return StepPlan([], split.stale, 0)
-    return StepPlan(split.fresh[:window.gbs], split.stale, 0)
+        return StepChoice([], split.stale, 0, len(split.fresh))
+    return StepChoice(split.fresh[:window.gbs], split.stale, 0, len(split.fresh))
 
 
 def simulate(cfg: SimConfig) -> SimResult:

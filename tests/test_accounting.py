@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from vgbs_ray.loss import clipped_policy_loss, rollout_mask_sums, sum_of_sample_contributions, token_advantages
-from vgbs_ray.metrics import add_metric, metric_values, per_rollout_mean, reduce_metric_pairs
+from vgbs_ray.metrics import add_metric, metric_values, reduce_metric_pairs
 
 
 def random_batch(rng, rollout_sizes):
@@ -98,4 +98,3 @@ def test_count_weighted_reduction_differs_from_mean_of_means():
     add_metric(pairs, "reward", 2.0, 1)
     add_metric(pairs, "reward", 4.0, 3)
     assert metric_values(pairs) == {"reward": 1.5}
-    assert per_rollout_mean(12.0, 8) == 1.5

@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vgbs_ray.advantages import group_advantages, is_uniform_group, normalize_group_rewards
+from vgbs_ray.advantages import group_advantages, is_uniform_group
+
+
+def normalize_group_rewards(rewards, eps=None) -> np.ndarray:
+    """The group's advantages in reward order (what the intake computes per rollout id)."""
+    by_id = group_advantages({i: r for i, r in enumerate(rewards)}, **({} if eps is None else {"eps": eps}))
+    return np.array([by_id[i] for i in range(len(rewards))])
 
 
 def test_normalised_rewards_sum_to_zero_and_keep_order():

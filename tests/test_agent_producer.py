@@ -19,7 +19,8 @@ import ray
 
 from actors.agent_producer import AgentProducerConfig, PromptSpec, start_agent_producer
 from actors.rollout_engine import EngineClient
-from actors.scheduler_actor import SchedulerConfig, create_scheduler
+from vgbs_ray.scheduler_types import SchedulerConfig
+from actors.scheduler_actor import create_scheduler
 from examples.digit_agent import ASSISTANT, VOCABULARY, build_tokenizer
 from vgbs_ray.agents import Generation
 from vgbs_ray.config import BatchConfig

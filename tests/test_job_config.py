@@ -5,11 +5,12 @@ from __future__ import annotations
 import pathlib
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import yaml
 
-from jobs.job_config import load_job_config, options_help
+from jobs.job_config import JobConfig, load_job_config, options_help, synthetic_preset
 from jobs.train import check_cluster_fits
 from vgbs_ray.errors import ConfigError
 
@@ -30,8 +31,9 @@ def test_embedded_default_is_the_tiny_local_run():
     assert config.train.loss.off_policy.policy_loss == "decoupled_ppo"
 
 
-def test_closed_loop_off_switches_to_the_synthetic_defaults_and_explicit_keys_still_win():
-    config = load_job_config(None, ["closed_loop.enabled=false"])
+def test_the_synthetic_preset_is_a_whole_config_and_explicit_keys_still_win():
+    config = load_job_config(None, preset="synthetic")
+    assert config == synthetic_preset() == load_job_config(None, ["preset=synthetic"])
     assert not config.closed_loop.enabled
     assert config.scheduler.batch.global_batch_size == 8 and config.run.num_steps == 8
     assert config.train.loss.off_policy.policy_loss == "ppo" and config.train.loss.off_policy.max_staleness == 0
@@ -43,8 +45,12 @@ def test_closed_loop_off_switches_to_the_synthetic_defaults_and_explicit_keys_st
     assert config.closed_loop.tokenizer_dir is None and config.closed_loop.num_prompts == 30
     assert 0 < config.closed_loop.sample_push_fraction < 1
     assert config.train.optimizer.lr_schedule.lr == 1e-4
-    mine = load_job_config(None, ["closed_loop.enabled=false", "scheduler.batch.global_batch_size=6"])
-    assert mine.scheduler.batch.global_batch_size == 6
+    mine = load_job_config(None, ["preset=synthetic", "scheduler.batch.global_batch_size=6"])
+    assert mine.scheduler.batch.global_batch_size == 6 and mine.run.num_steps == 8
+    # Engines off on the closed-loop preset is only that: no other default changes.
+    engines_off = load_job_config(None, ["closed_loop.enabled=false"])
+    assert engines_off == replace(JobConfig(), closed_loop=replace(JobConfig().closed_loop, enabled=False))
+    assert engines_off.scheduler_with_model_limits().max_staleness is None
     # The closed loop hands the loss's bound to the scheduler.
     assert load_job_config().scheduler_with_model_limits().max_staleness == 1
 
@@ -66,7 +72,8 @@ def test_overrides_change_only_the_named_keys():
         (["scheduler.batch.max_tokens_per_gpu=null", "scheduler.batch.micro_batch_size=3"],
          r"step_size % \(dp_size \* micro_batch_size \* mb_group\) == 0"),
         (["scheduler.batch.global_batch_size=1"], r"global_batch_size=1 rollouts is fewer than"),
-        (["closed_loop.enabled=false", "scheduler.max_staleness=1"], r"max_staleness=1 needs rollout engines"),
+        (["preset=synthetic", "scheduler.max_staleness=1"], r"one staleness bound, train.loss.off_policy"),
+        (["preset=nope"], r"preset 'nope' is unknown; pick one of \['closed_loop', 'synthetic'\]"),
         (["closed_loop.num_prompts=0"], r"closed_loop.num_prompts must be an integer >= 1"),
         (["closed_loop.weight_sync.dtype=bfloat16"], r"dtype=bfloat16 needs weight_sync.transport=collective"),
         (["closed_loop.weight_sync.transport=rdma"], r"transport must be object_store or collective"),

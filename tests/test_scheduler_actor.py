@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import ray
 
-from actors.scheduler_actor import SchedulerConfig, ShardRef, SubmitResult, create_scheduler
+from vgbs_ray.scheduler_types import SchedulerConfig, SubmitResult
+from actors.shard_ref import ShardRef
+from actors.scheduler_actor import create_scheduler
 from tests.rollout_factory import many_rollouts, rollout_rows, sample_row
 from tests.scheduler_harness import call, drain, rollouts_of
 from vgbs_ray.config import BatchConfig, ParallelConfig

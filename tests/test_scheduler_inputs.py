@@ -9,7 +9,8 @@ import time
 import pytest
 import ray
 
-from actors.scheduler_actor import SchedulerConfig, create_scheduler
+from vgbs_ray.scheduler_types import SchedulerConfig
+from actors.scheduler_actor import create_scheduler
 from tests.bad_inputs import BAD_INPUTS, CORPUS_LIMITS
 from tests.rollout_factory import rollout_rows, sample_row
 from tests.scheduler_harness import call

@@ -8,7 +8,8 @@ import ray
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from actors.scheduler_actor import SchedulerConfig, create_scheduler
+from vgbs_ray.scheduler_types import SchedulerConfig
+from actors.scheduler_actor import create_scheduler
 from tests.rollout_factory import sample_row
 from tests.scheduler_harness import call, drain
 from vgbs_ray.config import BatchConfig, ParallelConfig

@@ -9,20 +9,30 @@ from hypothesis import strategies as st
 from vgbs_ray.scheduler_policy import (
     EmitFullStep, FlushRequest, MaxWaitFlush, RunFlush, SchedulerView, WaitFor, admit_new_rollouts, next_action,
 )
+from vgbs_ray.step_choice import StepChoice
 
 FLUSH = FlushRequest("flush", end_of_input=False)
 END = FlushRequest("end_of_input", end_of_input=True)
 
 
-def view(**overrides) -> SchedulerView:
-    base = dict(registered=True, num_ready=0, global_batch_size=4, leftover="partial", flush_requests=(),
+FULL = "a full step of the first global_batch_size ready rollouts"
+
+
+def view(num_ready: int = 0, num_stale: int = 0, waiting_for: int = 0, **overrides) -> SchedulerView:
+    """A view whose chooser found `num_ready` fresh rollouts (taken as a full step when there are enough and
+    no in-flight rollout has its last chance), `num_stale` stale ones, and `waiting_for` such waits."""
+    base = dict(registered=True, global_batch_size=4, leftover="partial", flush_requests=(),
                 active_datasets=0, oldest_ready_age_s=None, max_wait_s=None)
-    return SchedulerView(**{**base, **overrides})
+    base.update(overrides)
+    fresh = [f"r{i}" for i in range(num_ready)]
+    gbs = base["global_batch_size"]
+    take = fresh[:gbs] if num_ready >= gbs and not waiting_for else []
+    return SchedulerView(choice=StepChoice(take, [f"stale{i}" for i in range(num_stale)], waiting_for, num_ready), **base)
 
 
 @pytest.mark.parametrize("state, expected", [
-    (dict(num_ready=4), EmitFullStep()),
-    (dict(num_ready=9, flush_requests=(FLUSH,)), EmitFullStep()),                      # full steps before flushes
+    (dict(num_ready=4), FULL),
+    (dict(num_ready=9, flush_requests=(FLUSH,)), FULL),                      # full steps before flushes
     (dict(num_ready=4, registered=False), WaitFor(None)),                               # layouts need the train group
     (dict(num_ready=3), WaitFor(None)),
     (dict(num_ready=3, flush_requests=(FLUSH,)), RunFlush(0)),
@@ -38,7 +48,11 @@ def view(**overrides) -> SchedulerView:
     (dict(num_ready=1, oldest_ready_age_s=9.0, max_wait_s=2.0, registered=False), WaitFor(None)),
 ])
 def test_next_action(state, expected):
-    assert next_action(view(**state)) == expected
+    action = next_action(view(**state))
+    if expected is FULL:
+        assert action == EmitFullStep([f"r{i}" for i in range(4)])
+    else:
+        assert action == expected
 
 
 @settings(max_examples=300, deadline=None)
@@ -78,18 +92,22 @@ def test_admission():
 def test_stale_rollouts_are_dropped_first_and_a_last_chance_wait_holds_a_full_step():
     from vgbs_ray.scheduler_policy import DropStale
 
-    assert isinstance(next_action(view(num_ready=4, num_stale=1)), DropStale)
+    assert next_action(view(num_ready=4, num_stale=1)) == DropStale(["stale0"])
     assert isinstance(next_action(view(num_ready=4, num_stale=1, registered=False)), DropStale)  # needs no layout
     assert isinstance(next_action(view(num_ready=4, waiting_for=1)), WaitFor)
     assert isinstance(next_action(view(num_ready=4, waiting_for=1, flush_requests=(FLUSH,))), RunFlush)  # never stalls
 
 
-def test_choose_step_replays_put_back_rollouts_first_then_oldest_first():
-    from vgbs_ray.scheduler_policy import choose_step, oldest_versions
+def test_window_replays_put_back_rollouts_first_then_oldest_first():
+    from vgbs_ray.staleness import oldest_versions
     from vgbs_ray.staleness_window import StalenessWindow
 
     window = StalenessWindow(gbs=3, max_staleness=1, steps_formed=5)
     ready = {"r1": 5, "r2": 4, "new": 4, "older": 4, "ancient": 2}
+
+    def choose_step(buffered, window, **options):
+        return window.next_step(buffered, **options)
+
     choice = choose_step(ready, window=window, replay={"r1", "r2"})
     assert choice.take == ["r1", "r2", "new"] and choice.stale == ["ancient"] and choice.num_fresh == 4
     assert choose_step(ready, window=window).take == ["r2", "new", "older"]

@@ -11,7 +11,9 @@ import pickle
 import pytest
 import ray
 
-from actors.scheduler_actor import SchedulerConfig, SchedulerState, create_scheduler
+from vgbs_ray.scheduler_types import SchedulerConfig
+from vgbs_ray.scheduler_state import SchedulerState
+from actors.scheduler_actor import create_scheduler
 from tests.rollout_factory import rollout_rows, sample_row
 from tests.scheduler_harness import call
 from vgbs_ray.config import BatchConfig, ParallelConfig

@@ -12,7 +12,8 @@ import random
 import pytest
 import ray
 
-from actors.scheduler_actor import Admission, SchedulerConfig, create_scheduler
+from vgbs_ray.scheduler_types import Admission, SchedulerConfig
+from actors.scheduler_actor import create_scheduler
 from tests.rollout_factory import rollout_rows
 from tests.scheduler_harness import call
 from vgbs_ray.config import BatchConfig, ParallelConfig

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import ray
 
-from actors.scheduler_actor import SchedulerConfig, create_scheduler
+from vgbs_ray.scheduler_types import SchedulerConfig
+from actors.scheduler_actor import create_scheduler
 from tests.rollout_factory import rollout_rows
 from tests.scheduler_harness import Producer, call, drain, rollouts_of
 from vgbs_ray.config import BatchConfig, ParallelConfig

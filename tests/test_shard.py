@@ -59,11 +59,10 @@ def test_legacy_shards_split_evenly_without_a_layout():
 
 def test_eligibility_decisions_carry_their_reason():
     parallel = ParallelConfig(dp_size=4)
-    assert decide_scheduling(parallel, num_rollouts=32, global_batch_size=24).rollout_side
+    assert decide_scheduling(parallel).rollout_side
     cases = [
-        (decide_scheduling(None, num_rollouts=32, global_batch_size=24), "parallel config"),
-        (decide_scheduling(parallel, num_rollouts=8, global_batch_size=24), "fewer than one step"),
-        (decide_scheduling(parallel, num_rollouts=32, global_batch_size=24, features=["multimodal"]), "multimodal"),
+        (decide_scheduling(None), "parallel config"),
+        (decide_scheduling(parallel, features=["multimodal"]), "multimodal"),
     ]
     for decision, reason in cases:
         assert not decision.rollout_side and reason in decision.reason

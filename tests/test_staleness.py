@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from tests.staleness_sim import RULE_SETS, SimConfig, simulate
 from vgbs_ray.errors import ConfigError, RolloutValidationError
 from vgbs_ray.sample import Sample, validate_sample
-from vgbs_ray.staleness import (STALE_REASON, RolloutVersions, admit_rollouts, check_admission_config,
-                                last_chance_in_flight, oldest_first, rollout_versions, split_stale, staleness,
+from vgbs_ray.staleness import (STALE_REASON, admit_rollouts, check_admission_config,
+                                last_chance_in_flight, oldest_first, split_stale, staleness,
                                 staleness_stats)
 
 
@@ -36,17 +36,6 @@ def test_bad_versions_break_the_named_rule(versions):
     with pytest.raises(RolloutValidationError) as error:
         validate_sample(sample(**versions))
     assert error.value.rule == "policy_version" and error.value.rollout_id == "r7"
-
-
-def test_rollout_versions_span_the_siblings():
-    rollout = [sample(0, policy_version_min=4, policy_version_max=4), sample(1, policy_version_min=5, policy_version_max=6)]
-    assert rollout_versions(rollout) == RolloutVersions(oldest=4, newest=6)
-    assert rollout_versions([sample(0), sample(1)]) is None
-
-
-def test_rollout_versions_refuse_siblings_without_versions():
-    with pytest.raises(RolloutValidationError, match="rollout 'r7', sample 1: policy_version"):
-        rollout_versions([sample(0, policy_version_min=4, policy_version_max=4), sample(1)])
 
 
 # -- the rules --------------------------------------------------------------------------

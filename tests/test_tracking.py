@@ -146,7 +146,7 @@ def test_docs_metrics_md_shows_the_vocabulary_table():
 def test_config_flattening_keeps_every_leaf_as_a_scalar():
     from jobs.job_config import load_job_config
 
-    config = plain(load_job_config(None, ["closed_loop.enabled=false", "run.loggers=[jsonl,tensorboard]"]))
+    config = plain(load_job_config(None, ["preset=synthetic", "run.loggers=[jsonl,tensorboard]"]))
     flat = flatten(config)
     assert flat["run.loggers"] == '["jsonl", "tensorboard"]' and flat["scheduler.batch.global_batch_size"] == 8
     assert all(isinstance(v, (bool, int, float, str)) for v in flat.values())

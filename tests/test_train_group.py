@@ -128,7 +128,8 @@ def test_dead_train_actor_fails_the_step_within_the_collective_timeout(ray_sessi
 
 @pytest.mark.slow
 def test_steps_pulled_from_the_scheduler_actor(dp2_group):
-    from actors.scheduler_actor import SchedulerConfig, create_scheduler
+    from vgbs_ray.scheduler_types import SchedulerConfig
+    from actors.scheduler_actor import create_scheduler
 
     scheduler = create_scheduler(SchedulerConfig(batch=BatchConfig(global_batch_size=8, max_tokens_per_gpu=120)),
                                  name="train-group-test-scheduler")
@@ -157,7 +158,8 @@ def test_steps_pulled_from_the_scheduler_actor(dp2_group):
 
 @pytest.mark.slow
 def test_legacy_path_through_the_scheduler_actor(dp2_group):
-    from actors.scheduler_actor import SchedulerConfig, create_scheduler
+    from vgbs_ray.scheduler_types import SchedulerConfig
+    from actors.scheduler_actor import create_scheduler
 
     scheduler = create_scheduler(SchedulerConfig(batch=BatchConfig(global_batch_size=6, max_tokens_per_gpu=120)),
                                  name="train-group-legacy-scheduler")

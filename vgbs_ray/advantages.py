@@ -20,18 +20,8 @@ from __future__ import annotations
 import math
 from typing import Hashable, Mapping, Sequence
 
-import numpy as np
 
 DEFAULT_EPS = 1e-6
-
-
-def normalize_group_rewards(rewards: Sequence[float], eps: float = DEFAULT_EPS) -> np.ndarray:
-    """(r - mean) / (std + eps) over one group's per-rollout rewards (float64, same order).
-
-    Raises ValueError for an empty group, a non-finite reward or a negative eps.
-    """
-    return np.array(_normalised([float(r) for r in np.asarray(rewards, dtype=np.float64).reshape(-1)], eps),
-                    dtype=np.float64)
 
 
 def is_uniform_group(rewards: Sequence[float]) -> bool:

@@ -31,10 +31,3 @@ def reduce_metric_pairs(parts: Iterable[Mapping[str, tuple[float, float]]]) -> M
 def metric_values(pairs: Mapping[str, tuple[float, float]]) -> dict[str, float]:
     """Count-weighted value of each metric: total sum / total count (0 for an empty count)."""
     return {name: (total / count if count else 0.0) for name, (total, count) in pairs.items()}
-
-
-def per_rollout_mean(total: float, num_rollouts: int) -> float:
-    """A step-level sum of per-rollout means, divided by the step's true rollout count."""
-    if num_rollouts <= 0:
-        raise ValueError(f"num_rollouts must be > 0, got {num_rollouts}")
-    return float(total) / num_rollouts

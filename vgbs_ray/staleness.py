@@ -41,40 +41,13 @@ dropped as stale. Pure: no torch, no Ray.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Mapping, Sequence
+from typing import Hashable, Iterable, Mapping
 
-from vgbs_ray.errors import ConfigError, RolloutValidationError
+from vgbs_ray.errors import ConfigError
 from vgbs_ray.sample import Sample
 
 STALE_REASON = "stale"
 """Ledger drop reason of a rollout too old to train."""
-
-
-@dataclass(frozen=True)
-class RolloutVersions:
-    """The oldest and newest policy versions that generated any token of one rollout."""
-
-    oldest: int
-    newest: int
-
-
-def rollout_versions(samples: Sequence[Sample]) -> RolloutVersions | None:
-    """Versions of a whole rollout from its samples; None when no sample carries any.
-
-    Raises RolloutValidationError (rule `policy_version`) when some siblings carry versions
-    and others do not: the rollout's oldest version would be a guess.
-    """
-    carrying = [s for s in samples if s.policy_version_min is not None]
-    if not carrying:
-        return None
-    if len(carrying) != len(samples):
-        missing = next(s for s in samples if s.policy_version_min is None)
-        raise RolloutValidationError(
-            missing.rollout_id, "policy_version",
-            "some samples of the rollout carry policy versions and this one does not: send them on every sample",
-            sample_index=missing.sample_index,
-        )
-    return RolloutVersions(min(s.policy_version_min for s in carrying), max(s.policy_version_max for s in carrying))
 
 
 def staleness(trained_version: int, oldest_version: int) -> int:
@@ -190,3 +163,18 @@ def check_admission_config(*, gbs: int, group_size: int, max_staleness: int) -> 
 def _check_max_staleness(max_staleness: int) -> None:
     if max_staleness < 0:
         raise ValueError(f"max_staleness must be >= 0 (policy versions), got {max_staleness}")
+
+
+def oldest_versions(rollouts: Iterable[tuple[Hashable, Iterable[Sample]]], *, trained_version: int) -> dict:
+    """id -> oldest policy version of each rollout (None when no sample carries one), in order.
+
+    A version newer than `trained_version` (engines that kept the weights of a run rewound to an
+    older checkpoint) counts as `trained_version`: staleness 0, never "from the future". Siblings
+    that disagree on carrying versions use the ones that do (the intake does not reject them; the
+    emitter must not fail on them either).
+    """
+    out = {}
+    for rid, samples in rollouts:
+        versions = [s.policy_version_min for s in samples if s.policy_version_min is not None]
+        out[rid] = min(min(versions), trained_version) if versions else None
+    return out

@@ -4,8 +4,11 @@
     decision = window.try_admit(rollout_ids, engine_version)   # a producer asks before starting a group
     window.finished(rollout_id)                                # all its samples arrived: it is buffered
     window.discard(rollout_ids)                                # filtered, rejected, failed, dropped stale
-    plan = window.next_step(buffered_oldest)                   # what to do: StepPlan(take, stale, waiting_for)
-    window.step_formed(plan.take)                              # after the scheduler formed that step
+    choice = window.next_step(buffered_oldest)                 # what to do: StepChoice(take, stale, waiting_for)
+    window.step_formed(choice.take)                            # after the scheduler formed that step
+
+It is the staleness-enforcing `vgbs_ray.step_choice.StepChooser` (`choose` takes the ready
+rollouts themselves; `FifoChooser` is the other one).
 
 The window holds only what the rules need: the rollouts admitted and not yet in a step or
 discarded (`pending`), the version each in-flight one started with, and the number of steps
@@ -25,27 +28,18 @@ never hold a rollout that was formed or discarded. A rollout admitted and then l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Hashable, Iterable, Mapping
+from typing import Collection, Hashable, Iterable, Mapping
 
-from vgbs_ray.staleness import (AdmissionDecision, admit_rollouts, last_chance_in_flight, oldest_first,
-                                split_stale)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What the next step should be, by the staleness rules."""
-
-    take: list
-    """Rollouts for the step, oldest version first; empty when the step cannot form yet."""
-    stale: list
-    """Buffered rollouts too stale for this or any later step: drop them (reason `stale`)."""
-    waiting_for: int
-    """Admitted rollouts still in flight whose last chance is this step (`take` is empty while > 0)."""
+from vgbs_ray.intake import ReadyRollout
+from vgbs_ray.staleness import (AdmissionDecision, admit_rollouts, check_admission_config, last_chance_in_flight,
+                                oldest_first, oldest_versions, split_stale)
+from vgbs_ray.step_choice import StepChoice
 
 
 class StalenessWindow:
     """Admission, last-chance waits and stale drops for one stream of steps (see module docstring)."""
+
+    enforced = True
 
     def __init__(self, *, gbs: int, max_staleness: int, steps_formed: int = 0):
         if gbs < 1 or max_staleness < 0 or steps_formed < 0:
@@ -79,6 +73,10 @@ class StalenessWindow:
         ids = list(self._in_flight)
         self.discard(ids)
         return ids
+
+    def check_group(self, group_size: int) -> None:
+        """Raises ConfigError when a group of this size could never be admitted (check_admission_config)."""
+        check_admission_config(gbs=self.gbs, group_size=group_size, max_staleness=self.max_staleness)
 
     def try_admit(self, rollout_ids: Iterable[Hashable], engine_version: int,
                   owner: Hashable | None = None) -> AdmissionDecision:
@@ -117,18 +115,35 @@ class StalenessWindow:
             self._in_flight.pop(rid, None)
             self._owner.pop(rid, None)
 
-    def next_step(self, buffered_oldest: Mapping[Hashable, int | None], *, allow_partial: bool = False,
-                  wait_for_in_flight: bool = True) -> StepPlan:
-        """The plan for the step that trains version `steps_formed`, from the buffered rollouts
-        (id -> oldest version, None = unversioned, in arrival order). A full step takes `gbs`;
-        with `allow_partial` (a flush, end of input) it takes whatever fresh rollouts there are.
-        wait_for_in_flight=False (a flush: it must never stall) plans without rule 2's wait."""
+    def choose(self, ready: Collection[ReadyRollout], *, replay: Collection = (), allow_partial: bool = False,
+               wait_for_in_flight: bool = True) -> StepChoice:
+        """`next_step` from the ready rollouts themselves (their oldest versions). O(ready log ready)."""
+        versions = oldest_versions(((r.rollout_id, r.samples) for r in ready), trained_version=self.steps_formed)
+        return self.next_step(versions, replay=replay, allow_partial=allow_partial, wait_for_in_flight=wait_for_in_flight)
+
+    def next_step(self, buffered_oldest: Mapping[Hashable, int | None], *, replay: Collection = (),
+                  allow_partial: bool = False, wait_for_in_flight: bool = True) -> StepChoice:
+        """The step that trains version `steps_formed`, from the buffered rollouts (id -> oldest version,
+        None = unversioned, in arrival order). A full step takes `gbs`; with `allow_partial` (a flush,
+        end of input) it takes whatever fresh rollouts there are. wait_for_in_flight=False (a flush: it
+        must never stall) plans without rule 2's wait.
+
+        Rollouts in `replay` (put back in front by a rewind or a restore) go first, in their order: a
+        replayed step takes what it took before. Moving a rollout earlier only lowers its staleness, so
+        replays are never dropped unless they were stale already. The rest fill oldest version first."""
         split = split_stale(buffered_oldest, trained_version=self.steps_formed, max_staleness=self.max_staleness)
+        num_fresh = len(split.fresh)
         waiting = last_chance_in_flight(self._in_flight.values(), trained_version=self.steps_formed,
                                         max_staleness=self.max_staleness) if wait_for_in_flight else 0
-        if waiting or not split.fresh or (len(split.fresh) < self.gbs and not allow_partial):
-            return StepPlan([], split.stale, waiting)
-        return StepPlan(oldest_first(split.fresh, buffered_oldest)[:self.gbs], split.stale, 0)
+        if waiting or not split.fresh or (num_fresh < self.gbs and not allow_partial):
+            return StepChoice([], split.stale, waiting, num_fresh)
+        take = oldest_first(split.fresh, buffered_oldest)[:self.gbs]
+        if replay:
+            stale = set(split.stale)
+            front = [rid for rid in buffered_oldest if rid in replay and rid not in stale][:self.gbs]
+            chosen = set(front)
+            take = front + [rid for rid in take if rid not in chosen][:self.gbs - len(front)]
+        return StepChoice(take, split.stale, 0, num_fresh)
 
     def step_formed(self, rollout_ids: Iterable[Hashable]) -> None:
         """The scheduler formed the next step from `rollout_ids`: the next one trains one version later."""

@@ -1,13 +1,12 @@
 """Turning a step's ready rollouts into per-rank shards, and the leftover policy.
 
-    planned = plan_step(rollouts, step=k, parallel=..., batch=..., num_rollouts_seen=n)
+    layout = Layout(parallel, decide_scheduling(parallel))   # once, when the train group registers
+    planned = plan_step(rollouts, step=k, layout=layout, batch=...)
     action = leftover_action(batch.leftover, end_of_input=False)
 
-`plan_step` is pure: it decides rollout-side layout vs the legacy path
-(`vgbs_ray.eligibility.decide_scheduling`, with `num_rollouts_seen` as the batch's rollout
-count so a stream that has produced at least one full step keeps its layout for a partial
-final step), lays the step out with `layout_step` over the rollouts' samples in first-ready
-order, and builds one `StepShard` per DP rank. Invariants: every sample of the given
+`plan_step` is pure: on the path the layout names (`vgbs_ray.eligibility`) it lays the step
+out with `layout_step` over the rollouts' samples in first-ready order and builds one
+`StepShard` per DP rank. Invariants: every sample of the given
 rollouts is on exactly one rank; every shard carries the step's true `num_rollouts`;
 siblings share the step. Any non-empty step can be planned: a step with fewer samples than
 micro-batches gets empty padding micro-batches (layout path) or empty shards (legacy path),
@@ -17,18 +16,26 @@ so a step never stalls on alignment.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Literal, Sequence
+from typing import Literal, Sequence
 
 import numpy as np
 
 from vgbs_ray.config import BatchConfig, ParallelConfig, LeftoverPolicy
-from vgbs_ray.eligibility import SchedulingDecision, decide_scheduling
+from vgbs_ray.eligibility import SchedulingDecision
 from vgbs_ray.errors import ScheduleError
 from vgbs_ray.intake import ReadyRollout
 from vgbs_ray.schedule import layout_step
 from vgbs_ray.shard import StepShard, build_legacy_shards, build_step_shards
 
 LeftoverAction = Literal["partial", "drop", "keep"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A registered train group's parallel config and its layout path (decided once, at registration)."""
+
+    parallel: ParallelConfig
+    decision: SchedulingDecision
 
 
 @dataclass(frozen=True)
@@ -47,23 +54,15 @@ def plan_step(
     rollouts: Sequence[ReadyRollout],
     *,
     step: int,
-    parallel: ParallelConfig,
+    layout: Layout,
     batch: BatchConfig,
-    advertise_layout: bool = True,
-    num_rollouts_seen: int,
-    features: Iterable[str] = (),
 ) -> PlannedStep:
     """Lay out one step and build its shards (see module docstring). Pure; O(n log n) in samples."""
     if not rollouts:
         raise ScheduleError("a step needs at least one rollout")
     samples = [s for r in rollouts for s in r.samples]
     ids = tuple(r.rollout_id for r in rollouts)
-    decision = decide_scheduling(
-        parallel if advertise_layout else None,
-        num_rollouts=max(num_rollouts_seen, len(ids)),
-        global_batch_size=batch.global_batch_size,
-        features=features,
-    )
+    parallel, decision = layout.parallel, layout.decision
     if decision.rollout_side:
         lengths = np.array([s.total_length for s in samples], dtype=np.int64)
         layout = layout_step(ids, range(len(samples)), lengths, parallel, batch)

@@ -2,7 +2,7 @@
 
 How docs/img/tensorboard.png was taken (Debian's `chromium`; `websockets` comes with Ray):
 
-    python -m jobs.train --set closed_loop.enabled=false --set run.loggers=[console,jsonl,tensorboard] \
+    python -m jobs.train --preset synthetic --set run.loggers=[console,jsonl,tensorboard] \
         --set run.output_dir=/tmp/demo
     tensorboard --logdir /tmp/demo --host 127.0.0.1 --port 6006 &
     python docs/img/screenshot.py \

@@ -1,7 +1,8 @@
-"""Typed configs and results of the SchedulerActor (re-exported by `actors.scheduler_actor`).
+"""Typed config and results of the scheduler (`vgbs_ray.scheduler_core` and the SchedulerActor around it).
 
-Everything here is a frozen dataclass that crosses Ray boundaries by pickling. Units: `_s`
-in seconds; token counts are prompt + response tokens.
+Everything here is a frozen dataclass that crosses Ray boundaries by pickling, and imports no Ray.
+Units: `_s` in seconds; token counts are prompt + response tokens. Where a shard lives in the object
+store is `actors.shard_ref.ShardRef` (it holds an ObjectRef).
 """
 
 from __future__ import annotations
@@ -9,17 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable
 
-import ray
-
 from vgbs_ray.config import BatchConfig
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.intake import IntakeConfig
 from vgbs_ray.ledger import LedgerSummary, Rejection
-from vgbs_ray.shard import StepShard
 from vgbs_ray.staleness import AdmissionDecision
 
 __all__ = [
-    "Admission", "FlushResult", "Rejection", "SchedulerConfig", "SchedulerStats", "ShardRef", "StepRecord", "SubmitResult",
+    "Admission", "FlushResult", "SchedulerConfig", "SchedulerStats", "StepRecord", "SubmitResult",
 ]
 
 
@@ -30,7 +28,8 @@ class SchedulerConfig:
     intake: IntakeConfig = IntakeConfig()
     """Validation limits (vocabulary, sequence length, push size), buffer bounds, group advantages."""
     max_steps_ahead: int | None = None
-    """Bounded staleness K: new rollouts are deferred while more than K steps are emitted but not trained."""
+    """Backpressure, not staleness: new rollouts are deferred while more than this many steps are emitted
+    but not trained (the staleness bound is `max_staleness`)."""
     max_wait_s: float | None = None
     """Flush (per leftover policy) when the oldest ready rollout waited this long; None = never.
     Has no effect with leftover="carry"."""
@@ -119,28 +118,6 @@ class Admission(AdmissionDecision):
     known: tuple = ()
     enforced: bool = True
     """False when the scheduler has no max_staleness: every group is admitted, nothing is recorded."""
-
-
-@dataclass(frozen=True)
-class ShardRef:
-    """Where rank `rank`'s shard of step `step` lives: `shard_ref.fetch()` -> StepShard.
-
-    `ref` holds the shard itself (`index` None), or, when the train group registered its ranks'
-    nodes, a tuple of the shards of every DP rank on this rank's node, this rank's at `index`
-    (one object per node and step). The ObjectRef is owned by the scheduler (it outlives any
-    producer); nested in this dataclass, Ray hands it over as a reference instead of resolving it.
-    """
-
-    step: int
-    rank: int
-    ref: ray.ObjectRef
-    num_rollouts: int
-    index: int | None = None
-
-    def fetch(self, timeout_s: float | None = None) -> StepShard:
-        """This rank's StepShard (zero-copy arrays from the node's object store)."""
-        value = ray.get(self.ref, timeout=timeout_s)
-        return value if self.index is None else value[self.index]
 
 
 @dataclass(frozen=True)
