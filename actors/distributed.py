@@ -54,7 +54,8 @@ def find_free_port() -> int:
 
 
 def init_distributed(*, rank: int, world_size: int, master_addr: str, master_port: int, backend: str,
-                     timeout_s: float, tp_size: int, pp_size: int, cp_size: int, vpp_size: int = 1) -> RankInfo:
+                     timeout_s: float, tp_size: int, pp_size: int, cp_size: int, vpp_size: int = 1,
+                     ep_size: int = 1) -> RankInfo:
     """Join the process group and initialise Megatron's parallel state; returns this rank's place."""
     from megatron.core import parallel_state
 
@@ -68,6 +69,7 @@ def init_distributed(*, rank: int, world_size: int, master_addr: str, master_por
         pipeline_model_parallel_size=pp_size,
         virtual_pipeline_model_parallel_size=vpp_size if vpp_size > 1 else None,
         context_parallel_size=cp_size,
+        expert_model_parallel_size=ep_size,
         # A float is fine: Megatron only builds a timedelta from it.
         distributed_timeout_minutes=timeout_s / 60.0,
     )
@@ -78,6 +80,8 @@ def init_distributed(*, rank: int, world_size: int, master_addr: str, master_por
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         cp_rank=parallel_state.get_context_parallel_rank(),
         pp_size=pp_size,
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        ep_size=ep_size,
     )
 
 

@@ -91,7 +91,8 @@ def write_hf_checkpoint(path: str | Path, config: ModelConfig, hf_weights: Mappi
 
 
 def load_hf_weights(model: torch.nn.Module, hf_weights: Mapping[str, torch.Tensor], config: ModelConfig) -> None:
-    """Copy HF weights into this rank's Megatron model (its TP shard of every parameter)."""
+    """Copy HF weights into this rank's Megatron model (its TP shard of every parameter, its EP share of the
+    experts)."""
     from megatron.core import parallel_state
 
     from actors.model import named_parameters_global
@@ -116,22 +117,25 @@ def load_hf_weights(model: torch.nn.Module, hf_weights: Mapping[str, torch.Tenso
                 raise WeightMappingError(f"{name}: checkpoint shard {tuple(tensor.shape)} != parameter "
                                          f"{tuple(param.shape)} (tp rank {tp_rank} of {tp_size})")
             param.copy_(tensor)
-    # Pipeline stages hold a subset of the layers; with one stage every weight must be used.
+    # Pipeline stages hold a subset of the layers, EP ranks a subset of the experts; with one stage every weight
+    # but the other EP ranks' experts must be used.
     unused = set(full) - used - ({"output_layer.weight"} if config.tie_word_embeddings else set())
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        unused = {name for name in unused if ".local_experts." not in name}
     if parallel_state.get_pipeline_model_parallel_world_size() == 1 and unused:
         raise WeightMappingError(f"checkpoint weights the model has no parameter for: {sorted(unused)[:8]}")
 
 
 def full_megatron_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter of this pipeline stage with its TP shards gathered (local-spec, global names).
-    Collective over TP."""
+    """Every parameter of this pipeline stage with its TP shards and EP experts gathered (local-spec, global
+    names). Collective over TP and EP."""
     from megatron.core import parallel_state
 
-    from actors.model import named_parameters_global
+    from actors.model import is_expert_parameter, named_parameters_global, with_other_experts
 
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_tensor_model_parallel_group()
-    full = {}
+    full, experts = {}, []
     for name, param in named_parameters_global(model):
         tensor = param.detach()
         if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
@@ -140,10 +144,12 @@ def full_megatron_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             tensor = gather_tp_shards(shards, partition_dim=param.partition_dim,
                                       stride=getattr(param, "partition_stride", 1))
         full[canonical_megatron_name(name)] = tensor.cpu()
-    return full
+        if is_expert_parameter(param):
+            experts.append(canonical_megatron_name(name))
+    return with_other_experts(full, experts)
 
 
 def export_hf_weights(model: torch.nn.Module, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """The whole policy as its family's HF weights (TP gathered, copies). Collective over TP."""
+    """The whole policy as its family's HF weights (TP and EP gathered, copies). Collective over TP and EP."""
     hf = megatron_to_hf(full_megatron_weights(model), config.weight_layout)
     return {name: tensor.clone() for name, tensor in hf.items()}

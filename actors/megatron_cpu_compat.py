@@ -11,7 +11,11 @@ Nothing global changes: `torch` itself, and every other module, are untouched. T
 (`moe/router.py`) moves its weight with `torch.cuda.current_device()`, and the gather over tensor-parallel
 ranks its token dispatcher calls (`tensor_parallel/mappings.py`) allocates there, directly and through the
 global memory buffer (which `mappings` gets a CPU stand-in for): both are redirected the same way;
-`moe_utils.te_general_gemm`, defined only when Transformer Engine imports, is set to None. Two functions
+`moe_utils.te_general_gemm`, defined only when Transformer Engine imports, is set to None. The alltoall
+token dispatcher (expert parallelism: token counts differ between ranks) makes a CUDA stream for its
+device-to-host copies of the split sizes; it gets one stand-in stream whose waits are no-ops, and those
+split sizes as numpy arrays (what it makes of CUDA tensors) instead of tensors, which `all_to_all_single`
+does not take. Two functions
 that assert CUDA tensors (`clip_grad_by_total_norm_fp32`, the l2-norm kernel behind the grad
 norm) are replaced by CPU equivalents, in the modules that imported them by name.
 
@@ -23,6 +27,7 @@ patches nothing (the GPU path runs Megatron unmodified).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 
@@ -36,6 +41,7 @@ _PATCHED_MODULES = (
     "megatron.core.optimizer.clip_grads",
     "megatron.core.transformer.moe.router",
     "megatron.core.tensor_parallel.mappings",  # the MoE allgather dispatcher's gather over TP allocates on CUDA
+    "megatron.core.transformer.moe.token_dispatcher",  # the alltoall dispatcher (EP) copies counts on a CUDA stream
 )
 _FACTORIES = frozenset({"tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like",
                         "empty_like", "full_like"})
@@ -51,8 +57,24 @@ def _cpu_device(device):
     return device
 
 
+class _CpuStream:
+    """A CUDA stream (and its events) on the CPU: work is already in order, so every wait is a no-op."""
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def record_event(self, event=None) -> "_CpuStream":
+        return self
+
+    def synchronize(self) -> None:
+        return None
+
+
+_CPU_STREAM = _CpuStream()
+
+
 class _CpuCuda:
-    """`torch.cuda` as the patched modules see it: a current device that is the CPU."""
+    """`torch.cuda` as the patched modules see it: a current device that is the CPU, one CPU "stream"."""
 
     @staticmethod
     def current_device():
@@ -61,6 +83,18 @@ class _CpuCuda:
     @staticmethod
     def synchronize(*args, **kwargs):
         return None
+
+    @staticmethod
+    def Stream(*args, **kwargs):  # noqa: N802 - torch.cuda's name
+        return _CPU_STREAM
+
+    @staticmethod
+    def current_stream(*args, **kwargs):
+        return _CPU_STREAM
+
+    @staticmethod
+    def stream(stream):
+        return contextlib.nullcontext()
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
@@ -103,6 +137,15 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
             grad.mul_(clip_coeff)
 
 
+def _split_sizes_on_cpu(tensor, as_numpy=False, record_stream=False):
+    """`moe_utils.maybe_move_tensor_to_cpu` for tensors already on the CPU: the alltoall dispatcher's split
+    sizes come back as numpy when asked (Megatron converts only CUDA tensors, and `all_to_all_single` takes a
+    sequence of ints, which a numpy array is and a tensor is not)."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
+
+
 class _CpuMemoryBuffer:
     """What `tensor_parallel.mappings` asks of Megatron's global memory buffer, on the CPU (its `get_tensor`
     allocates with `torch.cuda.current_device()`); a fresh tensor per call, no reuse."""
@@ -130,6 +173,7 @@ def activate() -> bool:
     # moe_utils binds `te_general_gemm` only when Transformer Engine imports, then reads it unconditionally in the
     # router's gating; None selects its plain torch.mm branch.
     modules["megatron.core.tensor_parallel.mappings"].get_global_memory_buffer = _CpuMemoryBuffer
+    modules["megatron.core.transformer.moe.token_dispatcher"].maybe_move_tensor_to_cpu = _split_sizes_on_cpu
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None

@@ -35,7 +35,8 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from actors.model import build_gpt_model, named_parameters_global, packed_seq_params
+from actors.model import (build_gpt_model, is_expert_parameter, named_parameters_global, packed_seq_params,
+                          with_other_experts)
 from actors.train_config import TrainGroupConfig
 from vgbs_ray.hf_mapping import gather_tp_shards, split_tp_shard
 from vgbs_ray.microbatch import PackedMicroBatch
@@ -72,7 +73,7 @@ class MegatronStep:
             stage = None if vpp == 1 else vp_stage
             modules.append(build_gpt_model(
                 config.model, tp_size=config.tp_size, pp_size=config.pp_size, cp_size=config.cp_size,
-                on_gpu=config.on_gpu, vpp_size=vpp, vp_stage=stage,
+                on_gpu=config.on_gpu, vpp_size=vpp, vp_stage=stage, ep_size=config.ep_size,
                 microbatch_group_size_per_vp_stage=config.microbatch_group if config.pp_size > 1 else None,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
@@ -149,8 +150,9 @@ class MegatronStep:
         return [pair for chunk in self.chunks for pair in named_parameters_global(chunk.module)]
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter of the whole model (TP shards gathered, PP stages joined); a collective over TP and PP."""
-        mine = {}
+        """Every parameter of the whole model (TP shards gathered, experts gathered over EP, PP stages joined); a
+        collective over TP, EP and PP."""
+        mine, experts = {}, []
         for name, p in self.local_parameters():
             tensor = p.detach()
             if self.tp_size > 1 and getattr(p, "tensor_model_parallel", False):
@@ -159,6 +161,9 @@ class MegatronStep:
                 # stride 2 = SwiGLU fc1: each rank holds [gate_r; up_r], not a contiguous slice
                 tensor = gather_tp_shards(parts, partition_dim=p.partition_dim, stride=p.partition_stride)
             mine[name] = tensor.float().cpu().clone()  # never a view of the live parameter
+            if is_expert_parameter(p):
+                experts.append(name)
+        mine = with_other_experts(mine, experts)
         if parallel_state.get_pipeline_model_parallel_world_size() == 1:
             return mine
         stages = [None] * parallel_state.get_pipeline_model_parallel_world_size()

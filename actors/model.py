@@ -88,7 +88,7 @@ class SDPAAttention(MegatronModule):
 
 
 def transformer_config(config: ModelConfig, *, tp_size: int, pp_size: int, cp_size: int,
-                       on_gpu: bool, vpp_size: int = 1,
+                       on_gpu: bool, vpp_size: int = 1, ep_size: int = 1,
                        microbatch_group_size_per_vp_stage: int | None = None) -> TransformerConfig:
     """The Megatron TransformerConfig for `config` under the given parallel sizes."""
     dtype = torch.bfloat16 if config.params_dtype == "bfloat16" else torch.float32
@@ -109,7 +109,7 @@ def transformer_config(config: ModelConfig, *, tp_size: int, pp_size: int, cp_si
         add_bias_linear=False,
         add_qkv_bias=family.qkv_bias,
         qk_layernorm=family.qk_norm,
-        **_moe_settings(config),
+        **_moe_settings(config, ep_size),
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
         context_parallel_size=cp_size,
@@ -130,20 +130,23 @@ def transformer_config(config: ModelConfig, *, tp_size: int, pp_size: int, cp_si
     )
 
 
-def _moe_settings(config: ModelConfig) -> dict:
+def _moe_settings(config: ModelConfig, ep_size: int = 1) -> dict:
     """TransformerConfig fields of a mixture of experts (none for a dense model).
 
     Softmax over the top-k router logits equals HF's softmax-then-top-k renormalised
     (`norm_topk_prob`); without renormalisation the softmax comes first (`moe_router_pre_softmax`).
-    SequentialMLP experts and the allgather dispatcher: what runs on CPU in megatron-core 0.16.1. No
-    load-balancing loss: the policy loss is the only objective here (HF adds one only when asked to
-    output router logits).
+    SequentialMLP experts. The allgather dispatcher needs the same token count on every rank it gathers
+    from, true of TP peers (one micro-batch) but not of EP peers (each DP rank packs its own rows): with
+    expert parallelism the alltoall dispatcher, which exchanges split sizes first (on CPU through
+    actors/megatron_cpu_compat.py). No load-balancing loss: the policy loss is the only objective here
+    (HF adds one only when asked to output router logits).
     """
     if config.num_experts is None:
         return {}
     return dict(num_moe_experts=config.num_experts, moe_ffn_hidden_size=config.moe_ffn_hidden_size,
                 moe_router_topk=config.moe_router_topk, moe_router_pre_softmax=not config.moe_norm_topk_prob,
-                moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+                moe_token_dispatcher_type="allgather" if ep_size == 1 else "alltoall", moe_grouped_gemm=False,
+                expert_model_parallel_size=ep_size,
                 moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
 
 
@@ -165,7 +168,7 @@ def _pipeline_settings(pp_size: int, vpp_size: int, group: int | None, dtype: to
 
 def build_gpt_model(config: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, cp_size: int = 1,
                     on_gpu: bool = False, pre_process: bool = True, post_process: bool = True,
-                    vpp_size: int = 1, vp_stage: int | None = None,
+                    vpp_size: int = 1, vp_stage: int | None = None, ep_size: int = 1,
                     microbatch_group_size_per_vp_stage: int | None = None) -> GPTModel:
     """Build the GPTModel (with pp_size > 1: this stage's chunk `vp_stage`); deterministic for a given `config.seed`."""
     torch.manual_seed(config.seed)
@@ -183,7 +186,7 @@ def build_gpt_model(config: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, 
         spec.submodules.self_attention.submodules.core_attention = SDPAAttention
     model = GPTModel(
         config=transformer_config(config, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size, on_gpu=on_gpu,
-                                  vpp_size=vpp_size,
+                                  vpp_size=vpp_size, ep_size=ep_size,
                                   microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage),
         transformer_layer_spec=spec,
         vocab_size=config.vocab_size,
@@ -232,17 +235,45 @@ def _load_initial_weights(model: GPTModel, config: ModelConfig) -> None:
 
 
 def named_parameters_global(model: GPTModel):
-    """(name, parameter) pairs named as in the whole (PP=1) model: a pipeline stage's layer
-    indices are local to it, `layer_number` (1-based) is global."""
+    """(name, parameter) pairs named as in the whole (PP=1, EP=1) model: a pipeline stage's layer
+    indices are local to it, `layer_number` (1-based) is global; an EP rank's local expert i is
+    global expert `ep_rank * num_local_experts + i` (Megatron's order)."""
     for name, param in model.named_parameters():
         match = _LAYER_PREFIX.match(name)
         if match:
             layer = model.decoder.layers[int(match.group(1))]
             name = f"decoder.layers.{layer.layer_number - 1}." + name[match.end():]
+            expert = _LOCAL_EXPERT.search(name)
+            if expert:
+                experts = layer.mlp.experts
+                group = getattr(experts, "ep_group", None)
+                offset = (group.rank() if group is not None else 0) * experts.num_local_experts
+                name = f"{name[:expert.start(1)]}{offset + int(expert.group(1))}{name[expert.end(1):]}"
         yield name, param
 
 
+def is_expert_parameter(param: torch.nn.Parameter) -> bool:
+    """An expert's weight: held by one EP rank, its gradient reduced over the expert-data-parallel group only
+    (Megatron marks these `allreduce=False`)."""
+    return not getattr(param, "allreduce", True)
+
+
+def with_other_experts(mine: dict[str, torch.Tensor], expert_names: list[str]) -> dict[str, torch.Tensor]:
+    """`mine` (global names) with the experts of every other EP rank added: a collective over the EP group
+    (every EP peer must call it). `mine` itself at EP=1."""
+    from megatron.core import parallel_state
+
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
+    if ep_size == 1:
+        return mine
+    shares = [None] * ep_size
+    torch.distributed.all_gather_object(shares, {name: mine[name] for name in expert_names},
+                                        group=parallel_state.get_expert_model_parallel_group())
+    return {**mine, **{name: tensor for share in shares for name, tensor in share.items()}}
+
+
 _LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 
 def transformer_engine_available() -> bool:

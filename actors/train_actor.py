@@ -58,7 +58,7 @@ class TrainActor:
         self.info = init_distributed(rank=self.rank, world_size=c.world_size, master_addr=master_addr,
                                      master_port=master_port, backend=c.backend, timeout_s=c.collective_timeout_s,
                                      tp_size=c.tp_size, pp_size=c.pp_size, cp_size=c.cp_size,
-                                     vpp_size=c.vpp_size)
+                                     vpp_size=c.vpp_size, ep_size=c.ep_size)
         self.trainer = RankTrainer(c, self.info)
         return self.info
 
@@ -78,8 +78,9 @@ class TrainActor:
         self.trainer.load_state_dict(state)
 
     def save_checkpoint(self, path: str) -> str | None:
-        """One file per model-parallel shard, written by DP rank 0 (DP replicas are identical)."""
-        if self.info.dp_rank != 0:
+        """One file per model-parallel shard (and expert share), written by the first replica's ranks (DP replicas
+        are identical)."""
+        if not self.info.in_first_replica:
             return None
         target = Path(path) / _checkpoint_name(self.info)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -102,7 +103,8 @@ class TrainActor:
 
     def export_hf_weights(self):
         """Weight sync (actors/weight_sync.py): on global rank 0, (object ref of the HF-named weights,
-        bytes), owned by this actor; None on other ranks. Every rank of DP replica 0 must call it."""
+        bytes), owned by this actor; None on other ranks. Every rank of the first replica must call it
+        (`RankInfo.in_first_replica`: they gather the whole model together)."""
         from actors.weight_sync import put_hf_weights
 
         full = self.trainer.full_parameters()
@@ -121,8 +123,8 @@ class TrainActor:
                                              timeout_s=timeout_s)
 
     def send_weights(self, policy_version: int, bucket_bytes: int, dtype: str) -> tuple[int, float] | None:
-        """Weight sync over the channel: on global rank 0 (bytes sent, seconds), None on the other ranks of DP
-        replica 0, which must call it too (they gather the full weights together)."""
+        """Weight sync over the channel: on global rank 0 (bytes sent, seconds), None on the other ranks of the
+        first replica, which must call it too (they gather the full weights together)."""
         import time
 
         from actors.weight_sync import hf_tensors_from_full
@@ -148,7 +150,8 @@ class TrainActor:
 
 
 def _checkpoint_name(info: RankInfo) -> str:
-    return f"model_tp{info.tp_rank:02d}_pp{info.pp_rank:03d}.pt"
+    experts = f"_ep{info.ep_rank:03d}" if info.ep_size > 1 else ""
+    return f"model_tp{info.tp_rank:02d}_pp{info.pp_rank:03d}{experts}.pt"
 
 
 def train_actor_class(*, num_cpus: float, num_gpus: float):

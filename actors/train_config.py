@@ -182,6 +182,10 @@ class TrainGroupConfig:
     microbatch_group_size_per_vp_stage: int | None = None
     """Interleaved schedule: micro-batches run per virtual stage before switching chunks
     (Megatron's N; None = pp_size). The scheduler aligns every rank's micro-batch count to it."""
+    ep_size: int = 1
+    """Expert-parallel size (a mixture-of-experts model): each rank holds model.num_experts / ep_size experts and
+    tokens travel to their experts (Megatron's alltoall dispatcher). EP ranks are DP ranks (Megatron carves EP out
+    of DP), so ep_size divides dp_size and the step layout is unchanged. Runs on CPU (gloo) and GPU."""
     cp_size: int = 1
     """Context-parallel size: GPU only (Megatron's CP for packed sequences needs Transformer Engine attention)."""
     backend: Literal["gloo", "nccl"] = "gloo"
@@ -198,11 +202,12 @@ class TrainGroupConfig:
     """A whole step (including waiting for the scheduler's shard) must finish within this."""
 
     def __post_init__(self):
-        for name in ("dp_size", "tp_size", "pp_size", "vpp_size", "cp_size"):
+        for name in ("dp_size", "tp_size", "pp_size", "vpp_size", "cp_size", "ep_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"TrainGroupConfig.{name} must be a positive integer, got {value!r}")
         self._check_pipeline()
+        self._check_experts()
         if self.model.params_dtype == "bfloat16" and self.backend != "nccl":
             raise ConfigError(
                 "TrainGroupConfig: model.params_dtype='bfloat16' needs backend='nccl' (a GPU): Megatron-Core 0.16.1's "
@@ -249,6 +254,23 @@ class TrainGroupConfig:
             raise ConfigError(f"TrainGroupConfig.microbatch_group_size_per_vp_stage={group!r} must be an integer "
                               f">= pp_size={pp} (Megatron's interleaved schedule), or None for pp_size")
 
+    def _check_experts(self) -> None:
+        ep = self.ep_size
+        if ep == 1:
+            return
+        if self.model.num_experts is None:
+            raise ConfigError(f"TrainGroupConfig.ep_size={ep} needs a mixture-of-experts model (model.num_experts); "
+                              "a dense model has no experts to spread: set ep_size=1")
+        if self.model.num_experts % ep:
+            raise ConfigError(f"TrainGroupConfig.ep_size={ep} must divide model.num_experts={self.model.num_experts} "
+                              "(each EP rank holds the same number of experts)")
+        if self.dp_size % ep:
+            raise ConfigError(f"TrainGroupConfig.ep_size={ep} must divide dp_size={self.dp_size}: Megatron's expert-"
+                              "parallel ranks are data-parallel ranks")
+        if self.cp_size != 1:
+            raise ConfigError(f"TrainGroupConfig.ep_size={ep} with cp_size={self.cp_size} is not supported: set "
+                              "cp_size=1")
+
     @property
     def microbatch_group(self) -> int:
         """Megatron's micro-batch group per virtual stage (N): the configured one, or pp_size."""
@@ -279,6 +301,16 @@ class RankInfo:
     pp_rank: int
     cp_rank: int
     pp_size: int = 1
+    ep_rank: int = 0
+    """Expert-parallel rank (which experts this rank holds: `dp_rank % ep_size`); 0 without expert parallelism."""
+    ep_size: int = 1
+
+    @property
+    def in_first_replica(self) -> bool:
+        """Whether this rank is among those that hold one whole copy of the model together: DP replica 0's ranks,
+        and with expert parallelism its EP peers (DP ranks 0 .. ep_size - 1, each with its share of the experts).
+        They export the weights and write the checkpoint files."""
+        return self.dp_rank < self.ep_size
 
     @property
     def is_last_stage(self) -> bool:

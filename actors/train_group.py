@@ -226,7 +226,8 @@ class TrainGroup:
                      "load_full_parameters")
 
     def full_parameters(self) -> dict:
-        """The whole model's parameters (TP shards gathered, PP stages joined), as numpy arrays, from DP replica 0."""
+        """The whole model's parameters (TP shards gathered, PP stages joined, experts
+        gathered over EP), as numpy arrays, from rank 0."""
         gathered = self._gather([a.full_parameters.remote() for a in self.actors],
                                 self.config.step_timeout_s, "full_parameters")
         return gathered[0]

@@ -15,7 +15,7 @@ Two transports (`WeightSyncConfig.transport`; figures and the default's reasons:
     engines.wait_for_weights(loads)                  # -> one WeightLoad per engine (times, bytes)
 
 Publish: the ranks of DP replica 0 gather the full weights (TP shards joined, PP stages
-joined: a collective inside the replica); global rank 0 converts them to Hugging Face names
+joined, and with expert parallelism the experts of its EP peers: a collective inside that first replica); global rank 0 converts them to Hugging Face names
 (`vgbs_ray.hf_mapping`) and returns them as numpy arrays. That return value is the one copy
 in the Ray object store; every engine on the node reads it zero-copy (numpy) and copies it
 into its own parameters. The trainer never waits for engines: `publish_weights` returns when
@@ -120,11 +120,12 @@ def put_hf_weights(full: dict[str, np.ndarray], model: ModelConfig) -> tuple[ray
 def publish_weights(group, policy_version: int, *, timeout_s: float | None = None) -> PublishedWeights:
     """Export `group`'s current weights as version `policy_version` into the object store (see module doc).
 
-    `group` is a TrainGroup; only DP replica 0 takes part (its TP and PP peers gather together).
+    `group` is a TrainGroup; only the first replica takes part (DP replica 0's TP and PP peers, and with expert
+    parallelism its EP peers, gather together: `RankInfo.in_first_replica`).
     A rank that fails or dies raises `TrainStepError` naming it.
     """
     start = time.perf_counter()
-    replica = [(actor, info) for actor, info in zip(group.actors, group.rank_infos) if info.dp_rank == 0]
+    replica = [(actor, info) for actor, info in zip(group.actors, group.rank_infos) if info.in_first_replica]
     timeout_s = group.config.step_timeout_s if timeout_s is None else timeout_s
     results = group._gather([actor.export_hf_weights.remote() for actor, _ in replica],  # noqa: SLF001
                             timeout_s, f"publish weights v{policy_version}")
@@ -158,10 +159,10 @@ def open_weight_channel(group, engines, config: WeightSyncConfig) -> None:
 
 
 def send_weights(group, policy_version: int, config: WeightSyncConfig) -> SentWeights:
-    """Gather `group`'s weights on DP replica 0 and broadcast them from rank 0 as `policy_version`.
+    """Gather `group`'s weights on the first replica and broadcast them from rank 0 as `policy_version`.
     A rank that fails or dies raises `TrainStepError` naming it."""
     start = time.perf_counter()
-    replica = [actor for actor, info in zip(group.actors, group.rank_infos) if info.dp_rank == 0]
+    replica = [actor for actor, info in zip(group.actors, group.rank_infos) if info.in_first_replica]
     results = group._gather([actor.send_weights.remote(policy_version, config.bucket_bytes, config.dtype)  # noqa: SLF001
                              for actor in replica], config.timeout_s, f"send weights v{policy_version}")
     ((num_bytes, _),) = [r for r in results if r is not None]

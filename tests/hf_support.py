@@ -134,9 +134,10 @@ def model_config_for(path: Path, **overrides) -> ModelConfig:
     return model_config_from_hf(path, **overrides)
 
 
-def tp_rank_worker(rank: int, world_size: int, port: int, hf_dir: str, sequences: list, results) -> None:
-    """Spawned per TP rank: build the policy from `hf_dir` at TP=world_size; rank 0 reports
-    (full-vocabulary logits per sequence, exported HF weights) or an error string."""
+def tp_rank_worker(rank: int, world_size: int, port: int, hf_dir: str, sequences: list, results, ep_size: int = 1) -> None:
+    """Spawned per rank: build the policy from `hf_dir` at TP=world_size / ep_size, EP=ep_size; rank 0 reports
+    (full-vocabulary logits per sequence, exported HF weights) or an error string. EP ranks run the sequences
+    in opposite orders, so their token counts differ at every forward (the alltoall dispatcher's case)."""
     import os
 
     try:
@@ -148,17 +149,21 @@ def tp_rank_worker(rank: int, world_size: int, port: int, hf_dir: str, sequences
         from actors.hf_checkpoint import export_hf_weights
         from actors.model import build_gpt_model
 
+        tp_size = world_size // ep_size
         init_distributed(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port,
-                         backend="gloo", timeout_s=60, tp_size=world_size, pp_size=1, cp_size=1)
+                         backend="gloo", timeout_s=60, tp_size=tp_size, pp_size=1, cp_size=1, ep_size=ep_size)
         config = model_config_for(Path(hf_dir))
-        model = build_gpt_model(config, tp_size=world_size).eval()
+        model = build_gpt_model(config, tp_size=tp_size, ep_size=ep_size).eval()
         group = parallel_state.get_tensor_model_parallel_group()
-        logits = []
-        for tokens in sequences:
-            local = megatron_logits(model, tokens).contiguous()
-            parts = [torch.empty_like(local) for _ in range(world_size)]
+        order = list(range(len(sequences)))
+        if parallel_state.get_expert_model_parallel_rank() % 2:
+            order.reverse()
+        logits = [None] * len(sequences)
+        for index in order:
+            local = megatron_logits(model, sequences[index]).contiguous()
+            parts = [torch.empty_like(local) for _ in range(tp_size)]
             dist.all_gather(parts, local, group=group)
-            logits.append(torch.cat(parts, dim=-1).numpy())  # the vocabulary is split over TP ranks
+            logits[index] = torch.cat(parts, dim=-1).numpy()  # the vocabulary is split over TP ranks
         # numpy, not tensors: torch would send shared-memory handles that die with this process
         exported = {name: tensor.numpy() for name, tensor in export_hf_weights(model, config).items()}
         results.put((rank, logits, exported, None) if rank == 0 else (rank, None, None, None))
@@ -170,8 +175,8 @@ def tp_rank_worker(rank: int, world_size: int, port: int, hf_dir: str, sequences
         os._exit(0)  # skip gloo / Megatron teardown in the child
 
 
-def run_tp_ranks(hf_dir, sequences: list, world_size: int = 2) -> tuple[list, dict]:
-    """Spawn `world_size` TP ranks (`tp_rank_worker`) on the checkpoint in `hf_dir`; rank 0's
+def run_tp_ranks(hf_dir, sequences: list, world_size: int = 2, ep_size: int = 1) -> tuple[list, dict]:
+    """Spawn `world_size` ranks (`tp_rank_worker`: TP = world_size / ep_size) on the checkpoint in `hf_dir`; rank 0's
     (full-vocabulary logits per sequence, exported HF weights as numpy arrays). A rank's error fails the test."""
     import multiprocessing
 
@@ -180,7 +185,8 @@ def run_tp_ranks(hf_dir, sequences: list, world_size: int = 2) -> tuple[list, di
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = find_free_port()
-    procs = [context.Process(target=tp_rank_worker, args=(rank, world_size, port, str(hf_dir), sequences, results))
+    procs = [context.Process(target=tp_rank_worker, args=(rank, world_size, port, str(hf_dir), sequences, results,
+                                                          ep_size))
              for rank in range(world_size)]
     for proc in procs:
         proc.start()

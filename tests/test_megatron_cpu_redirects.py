@@ -31,6 +31,16 @@ def test_patched_modules_allocate_cuda_literals_on_cpu_and_torch_itself_is_untou
     assert router.torch.cuda.current_device() == torch.device("cpu")  # the MoE router's weight move
     assert mappings.get_global_memory_buffer().get_tensor((2, 3), torch.float32, "mpu").device.type == "cpu"
     assert moe_utils.te_general_gemm is None  # the router's gating takes its torch.mm branch without TE
+    from megatron.core.transformer.moe import token_dispatcher
+
+    stream = token_dispatcher.torch.cuda.Stream()  # the alltoall dispatcher's device-to-host stream
+    assert token_dispatcher.torch.cuda.current_stream() == stream
+    with token_dispatcher.torch.cuda.stream(stream):
+        stream.wait_stream(stream)
+    stream.record_event().synchronize()
+    splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
+    assert splits.tolist() == [3, 1] and not torch.is_tensor(splits)  # what all_to_all_single takes
+    assert token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([2])).tolist() == [2]
     assert schedules.torch.Tensor is torch.Tensor  # everything else is the real torch
     with pytest.raises((AssertionError, RuntimeError)):  # the real torch still has no CUDA
         torch.zeros(1, device="cuda")

@@ -108,6 +108,20 @@ def test_tp2_logits_equal_transformers_and_export_gathers_bit_exact(shape, tmp_p
         assert torch.equal(torch.from_numpy(exported[name]), tensor), name
 
 
+@pytest.mark.parametrize("shape", [s for s in SHAPES if "moe" in s])
+def test_ep2_logits_equal_transformers_and_export_gathers_every_expert_bit_exact(shape, tmp_path):
+    """Expert parallelism over gloo: each of two ranks holds half the experts, and their token counts differ."""
+    from actors.hf_checkpoint import read_hf_weights
+
+    hf_model = tiny_hf_model(tmp_path, shape, vocab_size=VOCAB)
+    logits, exported = run_tp_ranks(tmp_path, SEQUENCES, world_size=2, ep_size=2)
+    assert_logits_match(hf_model, SEQUENCES, logits)
+    original = read_hf_weights(tmp_path)
+    assert set(exported) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(torch.from_numpy(exported[name]), tensor), name
+
+
 @pytest.mark.slow
 def test_the_export_serves_in_vllm_and_its_log_probs_equal_the_trainers_before_and_after_a_sync(checkpoint,
                                                                                                ray_session, tmp_path):
@@ -212,6 +226,13 @@ def test_what_the_cpu_train_path_does_not_run_yet_is_refused_at_configuration():
     moe = ModelConfig(family="qwen3_moe", kv_channels=32, num_experts=4, moe_ffn_hidden_size=32)
     with pytest.raises(ConfigError, match="mixture-of-experts model .* needs pp_size=1"):
         TrainGroupConfig(pp_size=2, model=moe)
+    with pytest.raises(ConfigError, match="ep_size=2 needs a mixture-of-experts model"):
+        TrainGroupConfig(dp_size=2, ep_size=2)
+    with pytest.raises(ConfigError, match="ep_size=2 must divide dp_size=1"):
+        TrainGroupConfig(ep_size=2, model=moe)
+    with pytest.raises(ConfigError, match="ep_size=3 must divide model.num_experts=4"):
+        TrainGroupConfig(dp_size=3, ep_size=3, model=moe)
+    assert TrainGroupConfig(dp_size=4, ep_size=2, model=moe).parallel_config.dp_size == 4  # EP ranks are DP ranks
     with pytest.raises(ConfigError, match="params_dtype='bfloat16' needs backend='nccl'"):
         TrainGroupConfig(model=ModelConfig(params_dtype="bfloat16"))
     with pytest.raises(ConfigError, match="family 'llama' is dense: leave it None"):

@@ -24,14 +24,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS, GLOBAL_BATCH = 3, 8
 
 
-@pytest.mark.parametrize("shape", ["llama3_tied", "qwen2", "qwen3", "qwen3_moe"])
-def test_a_closed_loop_job_trains_from_a_checkpoint_of_each_family(shape, tmp_path):
+@pytest.mark.parametrize("shape, parallel", [
+    ("llama3_tied", ["train.dp_size=1"]), ("qwen2", ["train.dp_size=1"]), ("qwen3", ["train.dp_size=1"]),
+    ("qwen3_moe", ["train.dp_size=2", "train.ep_size=2"]),  # expert parallelism: each rank holds half the experts
+])
+def test_a_closed_loop_job_trains_from_a_checkpoint_of_each_family(shape, parallel, tmp_path):
     checkpoint, out = tmp_path / "checkpoint", tmp_path / "run"
     hf_model = tiny_hf_model(checkpoint, shape, vocab_size=96)
     for path in (ROOT / "examples" / "digit_tokenizer").iterdir():
         shutil.copy(path, checkpoint / path.name)
     items = [f"run.output_dir={out}", "run.plot=false", f"run.num_steps={STEPS}", "run.checkpoint_every=0",
-             f"train.model.hf_checkpoint_dir={checkpoint}", "train.dp_size=1", "closed_loop.group_size=4",
+             f"train.model.hf_checkpoint_dir={checkpoint}", *parallel, "closed_loop.group_size=4",
              "closed_loop.num_producers=1", f"scheduler.batch.global_batch_size={GLOBAL_BATCH}"]
     done = subprocess.run([sys.executable, "-m", "jobs.train", *[a for item in items for a in ("--set", item)]],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)

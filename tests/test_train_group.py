@@ -33,8 +33,11 @@ def _shards(samples, *, dp_size, max_tokens, balance="tokens", step=0):
     return build_step_shards(samples, schedule.steps[0], step)
 
 
-def _dp1_one_micro_batch_update(samples):
-    trainer = inprocess_trainer(sgd_config())
+def _dp1_one_micro_batch_update(samples, start: dict | None = None, **config):
+    """The update one rank makes of the whole step in one micro-batch (from `start`'s parameters if given)."""
+    trainer = inprocess_trainer(sgd_config(**config))
+    if start is not None:
+        trainer.load_full_parameters(start)
     before = trainer.full_parameters()
     result = trainer.train_shard(_shards(samples, dp_size=1, max_tokens=1 << 16)[0])
     assert result.num_microbatches == 1
@@ -108,6 +111,29 @@ def test_tp2_matches_tp1(ray_session):
         result = group.train_shards(_shards(samples, dp_size=1, max_tokens=120))
         assert result.num_microbatches > 1
         assert_same_update(expected, update_between(before, group.full_parameters()))
+    finally:
+        group.shutdown()
+
+
+def test_ep2_matches_one_rank_holding_every_expert(ray_session, tmp_path):
+    """Expert parallelism: two DP ranks, each with half the experts and its own micro-batches, make the update one
+    rank with every expert makes of the whole step; the experts are gathered for export and checkpointed per EP rank."""
+    from actors.train_config import ModelConfig
+
+    moe = ModelConfig(family="qwen3_moe", kv_channels=16, num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2)
+    samples = make_samples(23, 8)
+    group = TrainGroup(sgd_config(dp_size=2, ep_size=2, model=moe))
+    try:
+        assert [(i.dp_rank, i.ep_rank, i.in_first_replica) for i in group.rank_infos] == [(0, 0, True), (1, 1, True)]
+        before = group.full_parameters()
+        assert sum(".local_experts." in name for name in before) == 2 * 2 * 4  # 2 layers x fc1, fc2 x 4 experts
+        # Each EP rank initialises its own experts: the reference starts from the group's whole model.
+        expected, _ = _dp1_one_micro_batch_update(samples, start=before, model=moe)
+        result = group.train_shards(_shards(samples, dp_size=2, max_tokens=120))
+        assert result.num_microbatches > 1
+        assert_same_update(expected, update_between(before, group.full_parameters()))
+        written = sorted(path.rsplit("/", 1)[-1] for path in group.save_checkpoint(tmp_path))
+        assert written == ["model_tp00_pp000_ep000.pt", "model_tp00_pp000_ep001.pt"]
     finally:
         group.shutdown()
 
