@@ -104,18 +104,14 @@ def test_window_replays_put_back_rollouts_first_then_oldest_first():
 
     window = StalenessWindow(gbs=3, max_staleness=1, steps_formed=5)
     ready = {"r1": 5, "r2": 4, "new": 4, "older": 4, "ancient": 2}
-
-    def choose_step(buffered, window, **options):
-        return window.next_step(buffered, **options)
-
-    choice = choose_step(ready, window=window, replay={"r1", "r2"})
+    choice = window.next_step(ready, replay={"r1", "r2"})
     assert choice.take == ["r1", "r2", "new"] and choice.stale == ["ancient"] and choice.num_fresh == 4
-    assert choose_step(ready, window=window).take == ["r2", "new", "older"]
+    assert window.next_step(ready).take == ["r2", "new", "older"]
     window.try_admit(["slow"], engine_version=4)
-    assert choose_step(ready, window=window).take == [] and choose_step(ready, window=window).waiting_for == 1
-    assert choose_step(ready, window=window, wait_for_in_flight=False).take == ["r2", "new", "older"]
-    assert choose_step({"a": 5}, window=window, wait_for_in_flight=False).take == []
-    assert choose_step({"a": 5}, window=window, wait_for_in_flight=False, allow_partial=True).take == ["a"]
+    assert window.next_step(ready).take == [] and window.next_step(ready).waiting_for == 1
+    assert window.next_step(ready, wait_for_in_flight=False).take == ["r2", "new", "older"]
+    assert window.next_step({"a": 5}, wait_for_in_flight=False).take == []
+    assert window.next_step({"a": 5}, wait_for_in_flight=False, allow_partial=True).take == ["a"]
 
     from vgbs_ray.sample import Sample
     import numpy as np

@@ -102,7 +102,6 @@ class SchedulerCore:
         """Input closed and its last flush ran: no step is emitted any more."""
         self._partial_steps = self._padded_steps = 0
         self._accepted = self._rejected = self._deferred = 0
-        self._last_layout: str | None = None
         self._admitted = self._refused_admissions = 0
         self._incomplete: list = []
         if restore is not None:
@@ -399,9 +398,6 @@ class SchedulerCore:
         self._partial_steps += record.partial
         self._padded_steps += record.padding_microbatches > 0
         self.events.on_step(record)
-        if record.layout != self._last_layout:
-            self._last_layout = record.layout
-            self.log.info("%s: scheduling decision: %s (%s)", self.name, record.layout, record.decision_reason)
         self.log.info("%s step %d: %d rollouts, %d samples, %s micro-batches/rank (%d padding), %d tokens, %s, "
                       "latency %.1f ms", self.name, step, record.num_rollouts, record.num_samples,
                       record.microbatches_per_rank[0], record.padding_microbatches, record.num_tokens, trigger,
