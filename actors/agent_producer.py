@@ -278,9 +278,6 @@ class AgentProducer:
         self._running = False
         self._finished = asyncio.Event()
         self._endpoint: AgentEndpoint | None = None
-        self._hold_armed = False
-        self._held = False
-        self._partly_pushed: set = set()  # rollouts some but not all of whose samples were pushed
 
     # -- the actor's API -----------------------------------------------------------------
 
@@ -325,17 +322,6 @@ class AgentProducer:
     def cursor(self) -> dict:
         """{"next_index": k}: the oldest own position not yet settled (see module docstring)."""
         return {"next_index": min(self._unsettled, default=self._next_local)}
-
-    def hold_at_next_partial_push(self) -> None:
-        """Fault injection (tests): after the next submit that leaves a rollout partly pushed (a
-        `sample_push_fraction` group), no worker pushes again until `stop()` or the actor is killed;
-        `holding()` then names the partly pushed rollouts (exactly, with `groups_in_flight=1`: other
-        workers' submits already under way may still land)."""
-        self._hold_armed = True
-
-    def holding(self) -> list:
-        """The ids of the partly pushed rollouts while held at a partial push (else [])."""
-        return sorted(self._partly_pushed) if self._held else []
 
     def drain_rewards(self) -> tuple[float, int]:
         """(sum, count) of the rewards of rollouts pushed since the previous call (filtered ones too)."""
@@ -472,8 +458,6 @@ class AgentProducer:
 
     async def _push(self, samples: list[dict]) -> bool:
         while samples:
-            if self._held:  # hold_at_next_partial_push: until stop() or ray.kill
-                await self._stop.wait()
             if self._stop.is_set():
                 return False
             result = await self._scheduler.submit.remote(samples)
@@ -490,22 +474,10 @@ class AgentProducer:
 
     async def _push_one_by_one(self, samples: list[dict]) -> bool:
         """Each sample in its own submit, the members' samples interleaved (sample 0 of every member, then
-        sample 1, ...); holds after a partial push when armed (`hold_at_next_partial_push`)."""
-        total: dict = {}
-        for sample in samples:
-            total[sample["rollout_id"]] = total.get(sample["rollout_id"], 0) + 1
-        pushed = dict.fromkeys(total, 0)
+        sample 1, ...)."""
         for sample in sorted(samples, key=lambda s: s["sample_index"]):  # stable: members stay in order
             if not await self._push([sample]):
                 return False
-            rid = sample["rollout_id"]
-            pushed[rid] += 1
-            if pushed[rid] < total[rid]:
-                self._partly_pushed.add(rid)
-            else:
-                self._partly_pushed.discard(rid)
-            if self._hold_armed and self._partly_pushed:
-                self._held = True
             await asyncio.sleep(0)  # other groups' pushes go in between
         return True
 

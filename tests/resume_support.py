@@ -1,5 +1,6 @@
 """Helpers of the failure and resume tests: job overrides that select the synthetic preset (the
-job's control flow, fast, without vLLM), and a recording stand-in for the scheduler's push API.
+job's control flow, fast, without vLLM), a recording stand-in for the scheduler's push API, and a
+producer that can be parked right after a partial push (fault injection, kept out of the product).
 
 Ray workers import a test helper class by its module name, so it lives here (`tests.resume_support`)
 rather than in a test module that pytest imports under another name."""
@@ -12,7 +13,7 @@ import time
 
 import ray
 
-from actors.agent_producer import PRODUCER_NAME
+from actors.agent_producer import PRODUCER_NAME, AgentProducer
 from actors.scheduler_actor import DEFAULT_NAME
 from vgbs_ray.scheduler_types import Admission, SubmitResult
 
@@ -35,6 +36,48 @@ def make_held_agent(hold_until: str, **synthetic_kwargs):
         return await agent(row, ctx)
 
     return held
+
+
+class HoldingProducer(AgentProducer):
+    """An AgentProducer with one fault-injection point: `hold_at_next_partial_push()` arms it; after the
+    next submit that leaves a rollout partly pushed (a `sample_push_fraction` group, pushed sample by
+    sample), no worker submits again until `stop()` or the actor is killed. `holding()` then names the
+    partly pushed rollouts (exactly, with `groups_in_flight=1`: another worker's submit already under
+    way may still land). A test makes the job start it with
+    `monkeypatch.setattr(actors.agent_producer, "AgentProducer", HoldingProducer)`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._armed = self._held = False
+        self._samples_of: dict = {}  # rollout id -> its number of samples (its group's push)
+        self._pushed: dict = {}  # rollout id -> samples of it pushed so far
+
+    def hold_at_next_partial_push(self) -> None:
+        self._armed = True
+
+    def holding(self) -> list:
+        """The ids of the partly pushed rollouts while held (else [])."""
+        return self._partly_pushed() if self._held else []
+
+    async def _push_one_by_one(self, samples: list[dict]) -> bool:
+        for sample in samples:
+            self._samples_of[sample["rollout_id"]] = self._samples_of.get(sample["rollout_id"], 0) + 1
+        return await super()._push_one_by_one(samples)
+
+    async def _push(self, samples: list[dict]) -> bool:
+        if self._held:
+            await self._stop.wait()
+            return False
+        pushed = await super()._push(samples)
+        if pushed:
+            for sample in samples:
+                self._pushed[sample["rollout_id"]] = self._pushed.get(sample["rollout_id"], 0) + 1
+        if self._armed and self._partly_pushed():
+            self._held = True
+        return pushed
+
+    def _partly_pushed(self) -> list:
+        return sorted(rid for rid, count in self._pushed.items() if count < self._samples_of.get(rid, 0))
 
 
 class RecordingScheduler:

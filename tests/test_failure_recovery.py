@@ -33,12 +33,13 @@ import time
 import pytest
 import ray
 
+import actors.agent_producer
 from actors.agent_producer import PRODUCER_NAME
 from jobs.checkpoint import latest_checkpoint
 from jobs.job_config import load_job_config
 from jobs.recovery import SchedulerLostError
 from jobs.train import train
-from tests.resume_support import names_free, synthetic_producers
+from tests.resume_support import HoldingProducer, names_free, synthetic_producers
 
 pytestmark = pytest.mark.slow
 
@@ -194,7 +195,9 @@ def test_a_killed_scheduler_is_restored_in_the_job_and_every_rollout_trains_exac
 
 
 @pytest.mark.parametrize("restart", [False, True])
-def test_a_producer_killed_mid_rollout_is_restarted_or_leaves_that_rollout_incomplete(ray_session, tmp_path, restart):
+def test_a_producer_killed_mid_rollout_is_restarted_or_leaves_that_rollout_incomplete(ray_session, tmp_path, restart,
+                                                                                      monkeypatch):
+    monkeypatch.setattr(actors.agent_producer, "AgentProducer", HoldingProducer)  # the job starts these
     killed = {}
 
     def kill_producer_mid_rollout(event, step, controller):

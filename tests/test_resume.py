@@ -3,8 +3,8 @@ checkpoint's pure helpers (the ledger record, refusing a checkpoint without the 
 
 The producer test drives a real AgentProducer actor running the synthetic agent (every group
 pushed sample by sample) against a recording stand-in for the scheduler: it holds the producer
-right after a push that sent only some samples of a rollout (`hold_at_next_partial_push`,
-event-gated), takes its cursor, kills it, and checks that a producer started from that cursor
+right after a push that sent only some samples of a rollout (tests/resume_support.py's
+HoldingProducer, event-gated), takes its cursor, kills it, and checks that a producer started from that cursor
 pushes exactly the prompts not wholly pushed before, with the same ids and samples.
 """
 
@@ -17,10 +17,10 @@ from collections import defaultdict
 import pytest
 import ray
 
-from actors.agent_producer import AgentProducer, AgentProducerConfig, PromptSpec
+from actors.agent_producer import AgentProducerConfig, PromptSpec
 from examples.synthetic_agent import make_agent, make_prompts
 from jobs.checkpoint import load_resume_point
-from tests.resume_support import RecordingScheduler
+from tests.resume_support import HoldingProducer, RecordingScheduler
 from vgbs_ray.agents import RolloutContext
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.intake import IntakeSnapshot
@@ -64,7 +64,7 @@ def test_the_synthetic_agents_rollouts_are_a_pure_function_of_the_prompt_and_mem
 
 def test_a_producer_resumed_from_its_cursor_pushes_exactly_what_was_not_wholly_pushed(ray_session):
     scheduler = ray.remote(RecordingScheduler).remote()
-    producer_cls = ray.remote(num_cpus=0, max_concurrency=100)(AgentProducer)
+    producer_cls = ray.remote(num_cpus=0, max_concurrency=100)(HoldingProducer)
     first = producer_cls.remote(0, CONFIG, scheduler, None, PROMPTS)
     ray.get(first.hold_at_next_partial_push.remote())  # armed before it pushes anything
     first.run.remote()
