@@ -47,6 +47,7 @@ from jobs.progress import StepLine, StepRecorder, plot_records, read_records
 from jobs.summary import closed_loop_summary, producers_outcome, step_line, summarize
 from jobs.recovery import RECOVERABLE_ERRORS, JobFailedError, TrainController, job_scheduler_config
 from jobs.tracking import Tracker
+from vgbs_ray.checkpoint_files import tokenizer_size
 from vgbs_ray.errors import ConfigError
 
 log = logging.getLogger("vgbs.job")
@@ -94,9 +95,7 @@ def check_tokenizer_fits(config: JobConfig) -> None:
     if not os.path.isdir(loop.tokenizer_dir):
         raise ConfigError(f"closed_loop.tokenizer_dir={loop.tokenizer_dir!r} is not a directory (run from the "
                           "project's root, or give an absolute path)")
-    from transformers import AutoTokenizer
-
-    size = len(AutoTokenizer.from_pretrained(loop.tokenizer_dir))
+    size = tokenizer_size(loop.tokenizer_dir)
     if size > config.train.model.vocab_size:
         raise ConfigError(f"closed_loop.tokenizer_dir={loop.tokenizer_dir!r} has {size} tokens but train.model."
                           f"vocab_size={config.train.model.vocab_size}: raise the vocabulary to at least {size}")

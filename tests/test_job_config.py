@@ -152,6 +152,23 @@ def test_cluster_yaml_names_the_setup_the_cluster_page_describes():
     assert f"{gpus} GPUs" in readme
 
 
+def test_the_tokenizer_size_read_without_transformers_is_transformers_count(tmp_path):
+    """vgbs_ray.checkpoint_files.tokenizer_size reads tokenizer.json; transformers' len() is the reference,
+    for the digit tokenizer, a BPE one with special tokens, and one with a token added after training."""
+    from transformers import AutoTokenizer
+
+    from tests.agent_support import bpe_chat_tokenizer
+    from vgbs_ray.checkpoint_files import tokenizer_size
+
+    bpe = bpe_chat_tokenizer()
+    bpe.save_pretrained(tmp_path / "bpe")
+    bpe.add_tokens(["<tool_call>", "</tool_call>"], special_tokens=True)
+    bpe.save_pretrained(tmp_path / "added")
+    for directory in (ROOT / "examples" / "digit_tokenizer", tmp_path / "bpe", tmp_path / "added"):
+        assert tokenizer_size(directory) == len(AutoTokenizer.from_pretrained(directory)), directory
+    assert tokenizer_size(tmp_path / "added") == tokenizer_size(tmp_path / "bpe") + 2
+
+
 def test_a_tokenizer_larger_than_the_models_vocabulary_fails_before_any_actor(monkeypatch):
     from jobs.train import check_tokenizer_fits
 

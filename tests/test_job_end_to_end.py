@@ -1,7 +1,7 @@
 """The job end to end: a local run with full and partial steps and a resume, and the README's
-cluster commands as a user types them (venv activated, token auth on, `ray job submit` with a
-bare `python` entrypoint) against a cluster this test starts (and stops) itself. Slow: a
-minute or two each. Every Ray cluster here uses token auth (tests/conftest.py); none of them
+cluster commands as a user types them (venv activated, token auth on, `ray job submit` of the
+closed-loop default with a bare `python` entrypoint) against a cluster this test starts (and
+stops) itself; that run must finish without a failed task. Slow: a minute or two each. Every Ray cluster here uses token auth (tests/conftest.py); none of them
 touches the user's ~/.ray/auth_token."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from jobs.job_config import load_job_config
 from jobs.progress import read_records
 from tests.cluster_support import (ROOT, failed_tasks, http, in_user_shell, job_logs, job_status, scrape, step_lines,
                                    submit_job, token_auth_head)
@@ -33,6 +34,9 @@ SMALL_RUN = [
     "closed_loop.agent_kwargs.max_delay_s=0.1", f"scheduler.batch.global_batch_size={GLOBAL_BATCH_SIZE}",
     "run.num_steps=20",
 ]
+
+
+CLUSTER_STEPS = 20  # the closed loop's steps on the README's cluster: long enough to scrape a step's gauge
 
 
 def job_options(output_dir, *extra) -> list[str]:
@@ -94,8 +98,10 @@ def test_readme_cluster_commands_run_the_job_under_token_auth_and_refuse_a_clien
         code, body = http("GET", address + "/api/jobs/", token=token)
         assert code == 200 and json.loads(body) == [], body
 
-        # The README's `ray job submit`, with this test's small run and --no-wait (the test polls).
-        job_args = shlex.join(job_options(tmp_path / "job-out", "run.ray_address=auto"))
+        # docs/cluster.md's `ray job submit` of the closed-loop default (engines, producers, train group),
+        # shortened, with --no-wait (the test polls).
+        job_args = shlex.join(f"--set={item}" for item in (f"run.output_dir={tmp_path / 'job-out'}", "run.plot=false",
+                                                           f"run.num_steps={CLUSTER_STEPS}", "run.ray_address=auto"))
         submission_id = submit_job(address, env, f"python -m jobs.train {job_args}")
 
         step_rollouts, finished_at, status = None, None, None
@@ -113,26 +119,15 @@ def test_readme_cluster_commands_run_the_job_under_token_auth_and_refuse_a_clien
             time.sleep(1)
         logs = job_logs(address, token, submission_id)
         (tmp_path / "job.log").write_text(logs)  # kept for a failure's post-mortem
-        # The driver, the SchedulerActor, the producers and the TrainActors all ran under token
-        # auth: the job trained and finished.
+        # The driver, the SchedulerActor, the engine, the producers and the TrainActors all ran under
+        # token auth: the job trained and finished.
         assert status == "SUCCEEDED", logs[-3000:]
-        assert failed_tasks(address, token) == []  # a finished run fails no task
-        assert len(step_lines(logs)) >= 3 and "summary:" in logs
-        assert step_rollouts is not None and 1 <= step_rollouts <= GLOBAL_BATCH_SIZE
+        # The engines, scheduler and producers end gracefully (actors/shutdown.py): with `ray.kill` the
+        # tasks they finished in their last second would show as FAILED (WORKER_DIED).
+        assert failed_tasks(address, token) == []
+        assert len(step_lines(logs)) == CLUSTER_STEPS and "summary:" in logs
+        assert step_rollouts is not None and 1 <= step_rollouts <= load_job_config().scheduler.batch.global_batch_size
         # Megatron's "Transformer Engine / Apex not installed" comes out at most once per process.
         said = collections.Counter(re.search(r"pid=(\d+)", line).group(1) if "pid=" in line else "driver"
                                    for line in logs.splitlines() if "not installed" in line)
         assert max(said.values(), default=0) <= 1, said
-
-
-def test_a_closed_loop_run_that_succeeds_fails_no_task(tmp_path):
-    """The closed loop's engines, scheduler and producers end gracefully (actors/shutdown.py): with
-    `ray.kill` the tasks they finished in their last second show as FAILED (WORKER_DIED)."""
-    with token_auth_head(tmp_path) as (address, token, env, _, gcs_port):
-        done = subprocess.run(
-            in_user_shell(f"python -m jobs.train --set run.ray_address=127.0.0.1:{gcs_port} --set run.num_steps=3 "
-                          f"--set run.output_dir={tmp_path / 'closed-loop'} --set run.plot=false"),
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-        assert len(step_lines(done.stdout)) == 3
-        assert failed_tasks(address, token) == []

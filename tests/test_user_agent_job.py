@@ -81,11 +81,13 @@ def prompt_rows(num_rows: int) -> list[dict]:
 
 
 def run_job(project: pathlib.Path, dataset: pathlib.Path, out: pathlib.Path, *extra: str) -> dict:
+    # closed_loop.timeout_s: the "hang" row's group ends only there, and the job waits for it; an "ok"
+    # member (two one-token turns) takes well under a second, also on a busy machine.
     items = [f"run.output_dir={out}", "run.plot=false", "run.checkpoint_every=2",
              "closed_loop.agent=my_agents.chat_game:make_agent", f"closed_loop.dataset.path={dataset}",
              "closed_loop.dataset.keys=[digits,mode]", "closed_loop.prompts=null",
              f"closed_loop.tokenizer_dir={ROOT / 'examples' / 'digit_tokenizer'}",
-             f"closed_loop.group_size={GROUP_SIZE}", "closed_loop.groups_in_flight=2", "closed_loop.timeout_s=30",
+             f"closed_loop.group_size={GROUP_SIZE}", "closed_loop.groups_in_flight=2", "closed_loop.timeout_s=10",
              "scheduler.batch.global_batch_size=8", *extra]
     done = subprocess.run([sys.executable, "-m", "jobs.train", *[a for item in items for a in ("--set", item)]],
                           cwd=project, capture_output=True, text=True, timeout=900)

@@ -7,6 +7,7 @@ files the source has, so engines and agents use the checkpoint's own tokenizer a
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -17,6 +18,28 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def has_tokenizer(directory: str | os.PathLike | None) -> bool:
     return directory is not None and any(os.path.isfile(os.path.join(directory, name))
                                          for name in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def tokenizer_size(directory: str | os.PathLike) -> int:
+    """How many token ids the directory's tokenizer makes (transformers' `len(tokenizer)`: the vocabulary
+    and the added tokens). Read from `tokenizer.json` with the `tokenizers` library, which loads in
+    milliseconds where importing transformers costs a job's driver ~3 s; the ids of
+    `tokenizer_config.json`'s `added_tokens_decoder` count too. A directory with only slow-tokenizer
+    files (no tokenizer.json) is loaded with transformers."""
+    fast = os.path.join(directory, "tokenizer.json")
+    if not os.path.isfile(fast):
+        from transformers import AutoTokenizer
+
+        return len(AutoTokenizer.from_pretrained(directory))
+    from tokenizers import Tokenizer
+
+    size = Tokenizer.from_file(fast).get_vocab_size(with_added_tokens=True)
+    config = os.path.join(directory, "tokenizer_config.json")
+    if os.path.isfile(config):
+        with open(config) as handle:
+            added = json.load(handle).get("added_tokens_decoder") or {}
+        size = max([size, *(int(token_id) + 1 for token_id in added)])
+    return size
 
 
 def copy_tokenizer(source: str | os.PathLike | None, destination: str | os.PathLike) -> list[str]:
