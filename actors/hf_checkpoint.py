@@ -81,10 +81,17 @@ def write_hf_checkpoint(path: str | Path, config: ModelConfig, hf_weights: Mappi
     `tokenizer_dir`, or else of the checkpoint the model started from (`config.hf_checkpoint_dir`); returns the dir."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    path = write_hf_config(path, config, tokenizer_dir=tokenizer_dir)
     save_file({k: v.detach().contiguous().cpu() for k, v in hf_weights.items()}, str(path / SAFETENSORS_NAME),
               metadata={"format": "pt"})
+    return path
+
+
+def write_hf_config(path: str | Path, config: ModelConfig, *, tokenizer_dir: str | Path | None = None) -> Path:
+    """A checkpoint directory without weights: `config.json` and the tokenizer files (see write_hf_checkpoint).
+    What the job's engines start from: vLLM builds the model from it, and the weights come by weight sync."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2) + "\n")
     copy_tokenizer(tokenizer_dir if tokenizer_dir is not None else config.hf_checkpoint_dir, path)
     return path

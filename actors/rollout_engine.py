@@ -43,7 +43,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.shutdown import actor_died, live_results, start_named, terminate
 from actors.weight_sync import PublishedWeights, WeightLoad
 from vgbs_ray.agents.generation import Generation, RequestTooLongError, SamplingConfig
-from vgbs_ray.checkpoint_files import TOKENIZER_FILES, has_tokenizer
+from vgbs_ray.checkpoint_files import TOKENIZER_FILES, has_tokenizer, has_weights
 from vgbs_ray.errors import ConfigError, VgbsError
 
 # In-process vLLM without torch.compile (measured: start-up ~2 s, first logprobs call without a 14 s compile).
@@ -147,10 +147,13 @@ class RolloutEngine:
 
         self.config = config
         self.name = name
-        self.policy_version = policy_version
-        # A replacement engine (RolloutEnginePool.replace) starts from the job's first weights but must not sample
-        # with them: its generate calls wait until a load brings it to the version the others serve.
-        self._serve_from = serve_from_version
+        # A directory without weights (the job's: config and tokenizer only) starts vLLM on placeholder weights
+        # (its dummy load, ~1 s) and the engine holds no version until the first load. It, and a replacement
+        # engine (RolloutEnginePool.replace), must not sample before that: generate calls wait until a load
+        # brings it to `serve_from_version` (the directory's version when none is given).
+        starts_with_weights = has_weights(model_dir)
+        self.policy_version = policy_version if starts_with_weights else -1
+        self._serve_from = serve_from_version if starts_with_weights or serve_from_version is not None else policy_version
         self._serving: asyncio.Event | None = None
         self._waiting_for_version = 0
         self._call_started: float | None = None  # when the engine thread began its current batch or load
@@ -159,7 +162,7 @@ class RolloutEngine:
         self.has_tokenizer = has_tokenizer(model_dir)
         kwargs = dict(model=model_dir, skip_tokenizer_init=not self.has_tokenizer, dtype=config.dtype, seed=config.seed,
                       max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-                      distributed_executor_backend="uni")
+                      distributed_executor_backend="uni", load_format="auto" if starts_with_weights else "dummy")
         if config.on_gpu:
             kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization)
         else:
@@ -402,7 +405,7 @@ class RolloutEngine:
         previous = self._llm_kwargs["model"]
         del self.llm
         gc.collect()
-        self._llm_kwargs = dict(self._llm_kwargs, model=version_dir)
+        self._llm_kwargs = dict(self._llm_kwargs, model=version_dir, load_format="auto")
         self.llm = LLM(**self._llm_kwargs)
         if previous != self._model_dir:
             shutil.rmtree(previous, ignore_errors=True)
@@ -553,7 +556,10 @@ class RolloutEnginePool:
     """The job's rollout engines: a placement group, one RolloutEngine actor per bundle (see module docstring)."""
 
     def __init__(self, config: EngineConfig, model_dir: str, *, policy_version: int = 0,
-                 name_prefix: str = "rollout-engine"):
+                 name_prefix: str = "rollout-engine", wait: bool = True):
+        """Engines from `model_dir` (an HF directory; without weights, see RolloutEngine) at `policy_version`.
+        Returns once they started, or with `wait=False` once their actors exist (`wait_started()` then
+        waits: the job starts vLLM while its train group starts)."""
         self.config = config
         self.model_dir = model_dir
         self.start_version = policy_version
@@ -570,7 +576,16 @@ class RolloutEnginePool:
                                   f"after {config.startup_timeout_s:.0f} s: lower num_engines or num_cpus_per_engine, "
                                   "or add nodes")
             self.engines = [self._start(i) for i in range(len(self.names))]
-            self._wait([engine.ready.remote() for engine in self.engines], config.startup_timeout_s, "start-up")
+            if wait:
+                self.wait_started()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def wait_started(self) -> None:
+        """Until every engine's vLLM is up (EngineError after `startup_timeout_s`; the engines are shut down)."""
+        try:
+            self._wait([engine.ready.remote() for engine in self.engines], self.config.startup_timeout_s, "start-up")
         except BaseException:
             self.shutdown()
             raise

@@ -1,6 +1,7 @@
 """The job's rollout source: agent producers, and the rollout engines they sample with their weight sync.
 
-    loop = ClosedLoop.start(config, scheduler, group, policy_version=0, cursors=None)
+    loop = ClosedLoop.launch(config, policy_version=0)   # the engines' vLLM starts (no weights yet)
+    loop.start(config, scheduler, group, cursors=None)  # the group's weights to the engines, then producers
     loop.producers                     # (actor, run ref) pairs
     sync_s = loop.publish(group, v)    # after the v-th optimizer step: export once, engines load async
     loop.restore(group, k)             # after a recovery restored step k's weights: engines go back to v = k
@@ -11,13 +12,16 @@ Every job has this one rollout source; `closed_loop.enabled=false` only leaves t
 (`engines` is None, `publish` and `restore` do nothing): its agent makes its samples itself, like
 the synthetic preset's (examples/synthetic_agent.py).
 
-Start-up: the train group's initial weights (or the restored ones) are exported once as a
-Hugging Face Llama directory under `<output_dir>/policy_init` (what vLLM loads), with the job's
-tokenizer files beside them (`closed_loop.tokenizer_dir`), the engines start from it at
-`policy_version`, then `num_producers` AgentProducers start on the job's prompt source: the
-rows of `closed_loop.dataset` (read once here with Ray Data, shared through the object store)
-or the generator `closed_loop.prompts` (`closed_loop.num_prompts` of them). Producer i answers positions i, i + n, ... and resumes
-at its saved cursor, so dataset rows are answered exactly once across a resume too.
+Start-up is two calls, so that vLLM starts while the train group does. `ClosedLoop.launch` reads
+the prompt source (a dataset that cannot be read fails before anything starts) and starts the
+engines' processes from `<output_dir>/policy_init`: the model's config.json and the job's
+tokenizer files (`closed_loop.tokenizer_dir`), no weights (vLLM starts on placeholder weights and
+serves nothing before a load). `loop.start` publishes the train group's weights (initial or
+restored) as `policy_version`, waits until every engine loaded them, then starts
+`num_producers` AgentProducers on the prompts: the rows of `closed_loop.dataset` (read once with
+Ray Data, shared through the object store) or the generator `closed_loop.prompts`
+(`closed_loop.num_prompts` of them). Producer i answers positions i, i + n, ... and resumes at
+its saved cursor, so dataset rows are answered exactly once across a resume too.
 
 `publish(group, v)` is the per-step weight sync: `publish_weights` (the train group's gather
 and one copy into the object store; this is the time the trainer spends) and
@@ -30,15 +34,15 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import ray
 
 from actors.agent_producer import PRODUCER_NAME, AgentProducerConfig, PromptSpec, start_agent_producer
-from actors.hf_checkpoint import write_hf_checkpoint
+from actors.hf_checkpoint import write_hf_config
 from actors.rollout_engine import RolloutEnginePool
 from actors.shutdown import live_results, start_named, terminate
 from actors.weight_sync import WeightSyncConfig, open_weight_channel, publish_weights, send_weights
@@ -80,17 +84,12 @@ def prompt_spec(config) -> PromptSpec:
                       num_prompts=loop.num_prompts)
 
 
-def start_model_dir(config, group, policy_version: int) -> str:
-    """The train group's current weights as the Hugging Face directory the engines start from
-    (`<output_dir>/policy_init`, with the job's tokenizer files)."""
-    published = publish_weights(group, policy_version)
+def engine_start_dir(config) -> str:
+    """The directory the engines start from (`<output_dir>/policy_init`): the model's config.json and the
+    job's tokenizer files, no weights (the engines serve once the train group's first weights reached them)."""
     model_dir = os.path.abspath(os.path.join(config.run.output_dir, "policy_init"))
-    weights = ray.get(published.ref)
-    import torch
-
-    write_hf_checkpoint(model_dir, config.train.model,
-                        {name: torch.from_numpy(np.array(array)) for name, array in weights.items()},
-                        tokenizer_dir=config.closed_loop.tokenizer_dir)
+    shutil.rmtree(model_dir, ignore_errors=True)  # an earlier run's files, weights included, never serve
+    write_hf_config(model_dir, config.train.model, tokenizer_dir=config.closed_loop.tokenizer_dir)
     return model_dir
 
 
@@ -100,6 +99,8 @@ class ClosedLoop:
 
     engines: RolloutEnginePool | None
     """None when closed_loop.enabled=false."""
+    prompts: PromptSpec | None = None
+    """Where the producers' prompts come from (read by `launch`)."""
     producers: list = field(default_factory=list)
     """(actor, run ref) pairs."""
     loads: list = field(default_factory=list)
@@ -125,26 +126,35 @@ class ClosedLoop:
     """Orders a publish and an engine replacement (the watch's thread) against each other."""
 
     @classmethod
-    def start(cls, config, scheduler, group, *, policy_version: int,
-              cursors: list[dict | None] | None = None, on_recovery=None) -> "ClosedLoop":
-        """Engines from `group`'s current weights at `policy_version` (closed_loop.enabled) with their watch,
-        then the producers.
-
-        `config` is the JobConfig; `cursors[i]`, when given, is producer i's saved `cursor()`;
-        `on_recovery("engine")` is called after each engine replacement (the job's Ray metric).
-        """
+    def launch(cls, config, *, policy_version: int) -> "ClosedLoop":
+        """The engines' processes start (closed_loop.enabled) from `engine_start_dir`, serving from
+        `policy_version` once it is loaded; returns at once, so vLLM starts while the train group does.
+        `config` is the JobConfig."""
         loop_config = config.closed_loop
-        prompts = prompt_spec(config)  # a dataset that cannot be read fails before any engine starts
-        tokenizer_dir = os.path.abspath(loop_config.tokenizer_dir) if loop_config.tokenizer_dir is not None else None
-        if loop_config.enabled:
-            model_dir = start_model_dir(config, group, policy_version)
-            loop = cls(engines=RolloutEnginePool(loop_config.engines, model_dir, policy_version=policy_version),
-                       weight_sync=loop_config.weight_sync, policy_version=policy_version)
-            tokenizer_dir = model_dir if tokenizer_dir is not None else None  # the engines' copy
-        else:
-            loop = cls(engines=None)
+        prompts = prompt_spec(config)  # a dataset that cannot be read fails before anything starts
+        if not loop_config.enabled:
+            return cls(engines=None, prompts=prompts)
+        engines = RolloutEnginePool(loop_config.engines, engine_start_dir(config), policy_version=policy_version,
+                                    wait=False)
+        return cls(engines=engines, prompts=prompts, weight_sync=loop_config.weight_sync, policy_version=policy_version)
+
+    def start(self, config, scheduler, group, *, cursors: list[dict | None] | None = None,
+              on_recovery=None) -> None:
+        """`group`'s current weights to the engines as `policy_version` (waits for the engines and the load),
+        the engine watch, then the producers. `cursors[i]`, when given, is producer i's saved `cursor()`;
+        `on_recovery("engine")` is called after each engine replacement (the job's Ray metric). On an error
+        everything started is shut down."""
+        loop_config = config.closed_loop
         try:
-            loop.replacement_timeout_s = loop_config.engines.startup_timeout_s + 60
+            tokenizer_dir = os.path.abspath(loop_config.tokenizer_dir) if loop_config.tokenizer_dir is not None else None
+            if self.engines is not None:
+                self.engines.wait_started()
+                self.publish(group, self.policy_version)
+                for version, refs in self.loads:
+                    self.engines.wait_for_weights(refs, loop_config.engines.startup_timeout_s)
+                self._collect_loads()
+                tokenizer_dir = self.engines.model_dir if tokenizer_dir is not None else None  # the engines' copy
+            self.replacement_timeout_s = loop_config.engines.startup_timeout_s + 60
             endpoint = loop_config.endpoint
             producer_config = AgentProducerConfig(
                 agent=loop_config.agent, agent_kwargs=dict(loop_config.agent_kwargs), group_size=loop_config.group_size,
@@ -154,19 +164,18 @@ class ClosedLoop:
                 max_sequence_length=config.train.model.max_position_embeddings, seed=loop_config.seed,
                 endpoint_host=endpoint.host if endpoint.enabled else None,
                 endpoint_token=endpoint_token(config.run.output_dir) if endpoint.enabled else None)
-            loop.producer_args = (producer_config, scheduler, prompts)
-            loop.restart_producers(scheduler, cursors)
-            if loop.engines is not None:
+            self.producer_args = (producer_config, scheduler, self.prompts)
+            self.restart_producers(scheduler, cursors)
+            if self.engines is not None:
                 from jobs.engine_watch import EngineWatch
 
-                loop.engine_watch = EngineWatch(loop, max_replacements=config.run.max_failures,
+                self.engine_watch = EngineWatch(self, max_replacements=config.run.max_failures,
                                                 hang_timeout_s=loop_config.engines.call_timeout_s,
                                                 on_replace=on_recovery)
-                loop.engine_watch.start()
+                self.engine_watch.start()
         except BaseException:
-            loop.shutdown()
+            self.shutdown()
             raise
-        return loop
 
     def restart_producers(self, scheduler, cursors: list[dict | None] | None) -> None:
         """Every producer (closed_loop.num_producers), pushing to `scheduler`, producer i from `cursors[i]`

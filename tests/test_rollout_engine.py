@@ -1,7 +1,8 @@
 """vLLM rollout engines fed by the train group's weight sync (real Ray, real vLLM CPU, real Megatron).
 
 One engine and one train group serve the whole module (vLLM start-up costs seconds); the last
-test kills the engine, so it stays last.
+test kills the engine, so it stays last. The engine starts as the job's do: from a directory with
+the model's config but no weights, serving once the group's first weights were loaded.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import ray
 import torch
 
-from actors.hf_checkpoint import write_hf_checkpoint
+from actors.hf_checkpoint import write_hf_config
 from actors.rollout_engine import EngineConfig, EngineDiedError, RolloutEnginePool
 from actors.train_config import ModelConfig
 from actors.weight_sync import publish_weights
@@ -31,18 +32,20 @@ PROMPTS = [[5, 17, 3, 99, 42], [1, 2, 3], list(range(30, 70))]
 
 @pytest.fixture(scope="module")
 def system(ray_session, tmp_path_factory):
-    """A TrainGroup (dp=1) at version 0 and one engine started from its exported weights."""
+    """A TrainGroup (dp=1) at version 0 and one engine started without weights, then given version 0; also
+    the generations of a request sent before that load."""
     from actors.train_group import TrainGroup
 
     group = TrainGroup(sgd_config(lr=20.0, model=MODEL))
     engines = None
     try:
-        v0 = publish_weights(group, 0)
-        model_dir = write_hf_checkpoint(tmp_path_factory.mktemp("policy_v0"), MODEL,
-                                        {k: torch.from_numpy(v) for k, v in ray.get(v0.ref).items()})
+        model_dir = write_hf_config(tmp_path_factory.mktemp("policy_start"), MODEL)
         engines = RolloutEnginePool(EngineConfig(num_engines=1, max_model_len=MODEL.max_position_embeddings),
                                     str(model_dir))
-        yield group, engines, v0
+        early = engines.engines[0].generate.remote(PROMPTS, SamplingConfig(max_tokens=6, seed=2))
+        v0 = publish_weights(group, 0)
+        engines.wait_for_weights(engines.update_weights(v0))
+        yield group, engines, v0, early
     finally:
         if engines is not None:
             engines.shutdown()
@@ -71,8 +74,18 @@ def _megatron_log_probs(hf_weights: dict, generations) -> list[np.ndarray]:
     return response_log_probs(model, generations)
 
 
+def test_an_engine_started_without_weights_answers_its_first_request_with_the_first_load(system):
+    """Placeholder weights never sample: the request sent before version 0 arrived was answered by it."""
+    _, engines, v0, early = system
+    generations = ray.get(early, timeout=60)
+    assert [g.policy_version for g in generations] == [0, 0, 0]
+    for got, expected in zip([g.response_log_probs for g in generations],
+                             _megatron_log_probs(ray.get(v0.ref), generations)):
+        assert np.abs(got - expected).max() < 1e-4, np.abs(got - expected).max()
+
+
 def test_after_a_sync_engine_log_probs_equal_the_trainers(system):
-    group, engines, _ = system
+    group, engines, _, _ = system
     _train_one_step(group)
     v1 = publish_weights(group, 1)
     assert v1.num_bytes == sum(a.nbytes for a in ray.get(v1.ref).values())
@@ -88,7 +101,7 @@ def test_after_a_sync_engine_log_probs_equal_the_trainers(system):
 
 
 def test_sync_to_other_weights_and_back_restores_the_outputs(system):
-    group, engines, v0 = system
+    group, engines, v0, _ = system
     sampling = SamplingConfig(max_tokens=16, seed=11)
     current = publish_weights(group, 2)  # whatever the group holds now
     engines.wait_for_weights(engines.update_weights(current))
@@ -107,7 +120,7 @@ def test_sync_to_other_weights_and_back_restores_the_outputs(system):
 
 
 def test_a_request_longer_than_the_engine_allows_is_refused(system):
-    _, engines, _ = system
+    _, engines, _, _ = system
     limit = engines.config.max_model_len
     with pytest.raises(RequestTooLongError, match=rf"{engines.names[0]}: request 1 has a {limit - 4}-token prompt "
                                                   rf"\+ max_tokens=8 > max_model_len={limit}"):
@@ -115,7 +128,7 @@ def test_a_request_longer_than_the_engine_allows_is_refused(system):
 
 
 def test_a_stop_token_ends_the_response_and_keeps_its_log_prob(system):
-    _, engines, _ = system
+    _, engines, _, _ = system
     [greedy] = engines.generate(PROMPTS[:1], SamplingConfig(max_tokens=8, temperature=0.0))
     stop = int(greedy.response_token_ids[2])
     first = list(greedy.response_token_ids).index(stop)
@@ -127,7 +140,7 @@ def test_a_stop_token_ends_the_response_and_keeps_its_log_prob(system):
 
 def test_concurrent_async_callers_through_a_pickled_client_match_one_blocking_call(system):
     """What producers use: `EngineClient` travels to other actors; concurrent calls are batched by the engine."""
-    _, engines, _ = system
+    _, engines, _, _ = system
     client = pickle.loads(ray.cloudpickle.dumps(engines.client()))
     sampling = SamplingConfig(max_tokens=8, seed=5)
 
@@ -143,7 +156,7 @@ def test_concurrent_async_callers_through_a_pickled_client_match_one_blocking_ca
 
 def test_utilization_counts_requests_and_splits_the_engines_time_into_busy_and_idle(system):
     """What the job reports as engine idle time: the engine thread's wait for work vs its work."""
-    _, engines, _ = system
+    _, engines, _, _ = system
     (before,) = engines.utilization()
     engines.generate(PROMPTS[:2], SamplingConfig(max_tokens=4, seed=1))
     (after,) = engines.utilization()
@@ -157,9 +170,9 @@ def test_utilization_counts_requests_and_splits_the_engines_time_into_busy_and_i
 def test_a_dead_engine_is_an_error_naming_it_and_its_replacement_serves_the_newest_weights_first(system):
     """Runs last: it kills the module's engine. A blocking call fails at once naming it; a client's request
     waits for a replacement (or fails naming every engine when none comes in time). The replacement
-    starts from the first weights on the same bundle, but the waiting request is answered only after it
+    starts from the start directory (no weights) on the same bundle, but the waiting request is answered only after it
     loaded the published version: its log-probs are the trainer's for that version."""
-    group, engines, _ = system
+    group, engines, _, _ = system
     ray.kill(engines.engines[0], no_restart=True)
     start = time.monotonic()
     with pytest.raises(EngineDiedError, match=rf"rollout engine {engines.names[0]} died"):

@@ -20,6 +20,11 @@ def has_tokenizer(directory: str | os.PathLike | None) -> bool:
                                          for name in ("tokenizer.json", "tokenizer_config.json"))
 
 
+def has_weights(directory: str | os.PathLike) -> bool:
+    """Whether the directory holds weights (safetensors or PyTorch bin files), not only a config and tokenizer."""
+    return any(name.endswith((".safetensors", ".bin")) for name in os.listdir(directory))
+
+
 def tokenizer_size(directory: str | os.PathLike) -> int:
     """How many token ids the directory's tokenizer makes (transformers' `len(tokenizer)`: the vocabulary
     and the added tokens). Read from `tokenizer.json` with the `tokenizers` library, which loads in
