@@ -150,7 +150,7 @@ class ClosedLoop:
             if self.engines is not None:
                 self.engines.wait_started()
                 self.publish(group, self.policy_version)
-                for version, refs in self.loads:
+                for _, refs in self.loads:  # the one load just published
                     self.engines.wait_for_weights(refs, loop_config.engines.startup_timeout_s)
                 self._collect_loads()
                 tokenizer_dir = self.engines.model_dir if tokenizer_dir is not None else None  # the engines' copy
