@@ -152,8 +152,10 @@ class RolloutEngine:
         # engine (RolloutEnginePool.replace), must not sample before that: generate calls wait until a load
         # brings it to `serve_from_version` (the directory's version when none is given).
         starts_with_weights = has_weights(model_dir)
+        if not starts_with_weights and serve_from_version is None:
+            serve_from_version = policy_version
         self.policy_version = policy_version if starts_with_weights else -1
-        self._serve_from = serve_from_version if starts_with_weights or serve_from_version is not None else policy_version
+        self._serve_from = serve_from_version
         self._serving: asyncio.Event | None = None
         self._waiting_for_version = 0
         self._call_started: float | None = None  # when the engine thread began its current batch or load

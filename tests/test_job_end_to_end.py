@@ -1,8 +1,9 @@
 """The job end to end: a local run with full and partial steps and a resume, and the README's
 cluster commands as a user types them (venv activated, token auth on, `ray job submit` of the
 closed-loop default with a bare `python` entrypoint) against a cluster this test starts (and
-stops) itself; that run must finish without a failed task. Slow: a minute or two each. Every Ray cluster here uses token auth (tests/conftest.py); none of them
-touches the user's ~/.ray/auth_token."""
+stops) itself; that run must finish without a failed task. Slow: a minute or two each. Every Ray
+cluster here uses token auth (tests/conftest.py); none of them touches the user's
+~/.ray/auth_token."""
 
 from __future__ import annotations
 
