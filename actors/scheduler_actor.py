@@ -11,16 +11,10 @@
 
 An asyncio Ray actor (named, `num_cpus=0`) and a thin shell around `vgbs_ray.scheduler_core.
 SchedulerCore`, which owns the state and every decision (intake, ledger, emitted steps, records,
-the step chooser). What stays here is Ray's: waits and signals, the layout thread and `ray.put`,
-the Ray Data consumer thread, metrics publishing. The event loop is the only caller of the
-core: no locks. Waits are awaits, so a thousand ranks parked in `get_shard` cost no threads.
-
-One emitter coroutine runs the core's `next_action` in a loop: drop stale rollouts, emit a full
-step, run a flush, run the max-wait flush, or wait for a change. Laying a step out and `ray.put`
-of its shards run on one worker thread (`run_in_executor`), so pushes and pulls go on meanwhile;
-steps are numbered in emission order. An unexpected error there (a bug, a failing object
-store) is not retried: the scheduler records it as `failure` and every call then raises it,
-instead of a loop that spins or a flush that times out.
+the step chooser). What stays here is Ray's: the calls and their waits (awaits: a thousand ranks
+parked in `get_shard` cost no threads), the emitter coroutine that lays steps out and puts them
+in the object store (actors/step_emitter.py), the Ray Data readers (actors/dataset_streams.py)
+and metrics publishing. The event loop is the core's only caller: no locks.
 
 Staleness (`SchedulerConfig.max_staleness`; vgbs_ray.staleness): step k trains policy version k.
 Producers `admit` a group before starting it (and `abandon` what they give up); the emitter
@@ -40,89 +34,31 @@ it waits up to that long for room first. A Ray Data consumer simply waits.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
-import threading
 import time
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
 import ray
 
+from actors.dataset_streams import DatasetStreams
+from actors.gc_tuning import relax_gc_in_this_process
 from actors.scheduler_metrics import SchedulerMetrics
+from actors.shard_placement import ranks_by_node
 from actors.shard_ref import ShardRef
+from actors.step_emitter import StepEmitter
 from vgbs_ray.config import ParallelConfig
 from vgbs_ray.eligibility import SchedulingDecision
 from vgbs_ray.errors import ConfigError, SchedulerStateError, SchedulerTimeoutError
-from vgbs_ray.intake import ReadyRollout
 from vgbs_ray.sample import Sample
 from vgbs_ray.scheduler_core import SchedulerCore, StepSlot
-from vgbs_ray.scheduler_policy import DropStale, EmitFullStep, FlushRequest, MaxWaitFlush, RunFlush, WaitFor
 from vgbs_ray.scheduler_state import SchedulerState
 from vgbs_ray.scheduler_types import Admission, FlushResult, SchedulerConfig, SchedulerStats, StepRecord, SubmitResult
-from vgbs_ray.stepping import Layout, PlannedStep, plan_step
 
 __all__ = ["DEFAULT_NAME", "SchedulerActor", "create_scheduler"]
 
 DEFAULT_NAME = "vgbs-scheduler"
-MAX_DATASET_ERRORS = 100
 METRICS_PUBLISH_S = 1.0
-
-# CPython's cyclic GC thresholds for the scheduler's own worker process (see below).
-_GC_THRESHOLDS = (50_000, 20, 100)
-
-
-def _relax_gc_in_this_process() -> None:
-    """Collect garbage less often in the scheduler actor's process (it is that actor's alone).
-
-    The scheduler holds many long-lived small containers (buffered samples, ledger
-    entries); under the default thresholds (700, 10, 10) the collector runs every few
-    pushes and its older generations rescan them all. Nothing here creates reference
-    cycles in bulk, so collecting less often only delays freeing a few. Measured with
-    benchmarks/bench_scheduler.py on 2 cores: the push path went from 0.48 to 0.59 of a
-    no-op actor's rate.
-    """
-    gc.set_threshold(*_GC_THRESHOLDS)
-
-
-class _Signal:
-    """A broadcast: `notify()` wakes every current `wait()`er (asyncio, one loop)."""
-
-    def __init__(self) -> None:
-        self._event = asyncio.Event()
-
-    def notify(self) -> None:
-        self._event.set()
-        self._event = asyncio.Event()
-
-    async def wait(self, timeout_s: float | None) -> None:
-        event = self._event
-        if timeout_s is None:
-            await event.wait()
-            return
-        try:
-            await asyncio.wait_for(event.wait(), max(0.0, timeout_s))
-        except asyncio.TimeoutError:
-            pass
-
-
-@dataclass
-class _PendingFlush:
-    request: FlushRequest
-    created_at: float
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    result: FlushResult | None = None
-    error: str | None = None
-
-
-def _ranks_by_node(rank_nodes: Sequence[str]) -> list[list[int]]:
-    """DP ranks grouped by node, ranks ascending, nodes in order of their first rank."""
-    groups: dict[str, list[int]] = {}
-    for rank, node in enumerate(rank_nodes):
-        groups.setdefault(node, []).append(rank)
-    return list(groups.values())
 
 
 class SchedulerActor:
@@ -132,7 +68,7 @@ class SchedulerActor:
         self.config = config
         self.name = name
         if ray.get_runtime_context().get_actor_id() is not None:
-            _relax_gc_in_this_process()
+            relax_gc_in_this_process()  # this worker process is the actor's alone
         self.log = logging.getLogger(f"vgbs_ray.scheduler.{name}")
         if not self.log.handlers:
             self.log.addHandler(logging.StreamHandler())
@@ -140,27 +76,20 @@ class SchedulerActor:
         self.metrics = SchedulerMetrics(name)
         self.core = SchedulerCore(config, name=name, events=self.metrics, log=self.log, restore=restore,
                                   now=time.monotonic())
-        self._ranks_by_node: list[list[int]] | None = None   # DP ranks per node: one shard object per node
-        self._flushes: deque[_PendingFlush] = deque()
-        self._active_datasets = 0
-        self._failure: str | None = None
-        self._dataset_errors: list[str] = []
-        self._changed: _Signal | None = None     # any change the emitter or a waiting submit cares about
-        self._published: _Signal | None = None   # a step was published, the stream ended, or a failure
-        self._emitter: asyncio.Task | None = None
-        self._metrics_publisher: asyncio.Task | None = None
-        self._acting: asyncio.Lock | None = None       # held by the emitter while it carries out an action, and by rewind
-        self._layout_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-layout")
+        self._datasets = DatasetStreams(name, self.log)
+        self._emitter: StepEmitter | None = None   # made on the event loop, at the first call (`_start`)
+        self._tasks: list[asyncio.Task] = []
         if restore is not None:
             self._publish_metrics()
 
     def _start(self) -> None:
-        """On the event loop, at the first call: signals and the emitter coroutine."""
+        """On the event loop, at the first call: the emitter (its signals belong to this loop), its
+        coroutine and the metrics publisher's."""
         if self._emitter is None:
-            self._changed, self._published = _Signal(), _Signal()
-            self._acting = asyncio.Lock()
-            self._emitter = asyncio.get_running_loop().create_task(self._emit_loop())
-            self._metrics_publisher = asyncio.get_running_loop().create_task(self._publish_metrics_loop())
+            self._emitter = StepEmitter(self.core, self.config.batch, self.name, self.log,
+                                        active_datasets=lambda: self._datasets.active, after_flush=self._publish_metrics)
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._emitter.run()), loop.create_task(self._publish_metrics_loop())]
 
     # -- train side ------------------------------------------------------------------
     async def register_train_group(self, parallel: ParallelConfig, advertise_layout: bool = True,
@@ -179,8 +108,8 @@ class SchedulerActor:
         if rank_nodes is not None and len(rank_nodes) != parallel.dp_size:
             raise ConfigError(f"rank_nodes names {len(rank_nodes)} nodes, one per DP rank is needed (dp_size={parallel.dp_size})")
         decision = self.core.register(parallel, advertise_layout)
-        self._ranks_by_node = None if rank_nodes is None else _ranks_by_node(rank_nodes)
-        self._changed.notify()
+        self._emitter.ranks_by_node = None if rank_nodes is None else ranks_by_node(rank_nodes)
+        self._emitter.changed.notify()
         return decision
 
     async def get_shard(self, step: int, rank: int, timeout_s: float = 60.0) -> ShardRef | None:
@@ -215,7 +144,7 @@ class SchedulerActor:
         self._start()
         deadline = time.monotonic() + timeout_s
         while True:
-            self._raise_if_failed()
+            self._emitter.raise_if_failed()
             slot = self.core.slots.get(step)
             if slot is not None:
                 return slot
@@ -226,7 +155,7 @@ class SchedulerActor:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise SchedulerTimeoutError(f"{who}: no shard after {timeout_s} s; {self.core.describe_wait()}")
-            await self._published.wait(remaining)
+            await self._emitter.published.wait(remaining)
 
     async def ack_step(self, step: int, rank: int, metrics: dict[str, tuple[float, float]] | None = None) -> bool:
         """DP rank `rank` trained `step`, with its `(sum, count)` metric pairs: `ack_ranks(step, {rank: metrics})`."""
@@ -240,10 +169,10 @@ class SchedulerActor:
         rank before recording any: a refused ack changes nothing.
         """
         self._start()
-        self._raise_if_failed()
+        self._emitter.raise_if_failed()
         completed = self.core.ack(step, metrics_by_rank)
         if completed:
-            self._changed.notify()  # admission may reopen (max_steps_ahead)
+            self._emitter.changed.notify()  # admission may reopen (max_steps_ahead)
         return completed
 
     async def checkpointed(self, next_step: int) -> None:
@@ -261,14 +190,14 @@ class SchedulerActor:
         already declared checkpointed, or was trained without `retain_until_checkpoint`.
         """
         self._start()
-        self._raise_if_failed()
-        async with self._acting:  # never in the middle of an emission
+        self._emitter.raise_if_failed()
+        async with self._emitter.acting:  # never in the middle of an emission
             ended = self.core.ended
             rollouts = self.core.rewind(next_step)
             if ended:  # the input had ended: end it again after the replayed steps
-                self._request_flush("end_of_input", end_of_input=True)
+                self._emitter.request_flush("end_of_input", end_of_input=True)
             self._publish_metrics()
-            self._changed.notify()
+            self._emitter.changed.notify()
             return len(rollouts)
 
     async def drop_untrained(self, next_step: int, reason: str = "run_ended") -> int:
@@ -279,11 +208,11 @@ class SchedulerActor:
         of rollouts dropped. Raises like `rewind` if a step >= `next_step` was already settled.
         """
         self._start()
-        self._raise_if_failed()
-        async with self._acting:
+        self._emitter.raise_if_failed()
+        async with self._emitter.acting:
             dropped = self.core.drop_untrained(next_step, reason)
-            self._published.notify()
-            self._changed.notify()
+            self._emitter.published.notify()
+            self._emitter.changed.notify()
             self._publish_metrics()
             return dropped
 
@@ -299,8 +228,8 @@ class SchedulerActor:
         or a step >= `next_step` was trained and released (no retain_until_checkpoint).
         """
         self._start()
-        self._raise_if_failed()
-        async with self._acting:  # between emissions: nothing is half taken
+        self._emitter.raise_if_failed()
+        async with self._emitter.acting:  # between emissions: nothing is half taken
             return self.core.export_state(next_step)
 
     # -- admission control (staleness) -------------------------------------------------------
@@ -315,7 +244,7 @@ class SchedulerActor:
         Raises ConfigError when the group could never be admitted (check_admission_config).
         """
         self._start()
-        self._raise_if_failed()
+        self._emitter.raise_if_failed()
         return self.core.admit(rollout_ids, engine_version, producer)
 
     async def producer_lost(self, producer: int) -> int:
@@ -323,7 +252,7 @@ class SchedulerActor:
         staleness window and no step waits for them (its restart admits them again); returns how many."""
         self._start()
         freed = self.core.producer_lost(producer)
-        self._changed.notify()
+        self._emitter.changed.notify()
         return freed
 
     async def abandon(self, rollout_ids: Sequence) -> None:
@@ -332,7 +261,7 @@ class SchedulerActor:
         stay buffered and end `incomplete_rollout` at end of input, as any unfinished rollout."""
         self._start()
         self.core.abandon(rollout_ids)
-        self._changed.notify()  # a full step may have waited for one of them
+        self._emitter.changed.notify()  # a full step may have waited for one of them
 
     async def fail_rollouts(self, rollout_ids: Sequence, reason: str) -> int:
         """The producer lost these admitted rollouts before pushing any sample (its agent raised,
@@ -340,17 +269,17 @@ class SchedulerActor:
         ledger and leaves the staleness window. Ids the scheduler already holds keep their state.
         Returns how many were recorded."""
         self._start()
-        self._raise_if_failed()
+        self._emitter.raise_if_failed()
         recorded = self.core.fail_rollouts(rollout_ids, reason)
         if recorded:
-            self._changed.notify()  # a full step may have waited for one of them
+            self._emitter.changed.notify()  # a full step may have waited for one of them
         return recorded
 
     # -- producer side ---------------------------------------------------------------
     async def submit(self, samples: Sequence[Sample | dict[str, Any]], wait_s: float = 0.0) -> SubmitResult:
         """Take a batch of samples (any rollouts, any order); see SubmitResult for what happened to each."""
         self._start()
-        self._raise_if_failed()
+        self._emitter.raise_if_failed()
         if self.core.input_closed:
             raise SchedulerStateError(f"scheduler {self.name!r}: end_of_input() was called; no more samples")
         deadline = time.monotonic() + wait_s
@@ -363,12 +292,12 @@ class SchedulerActor:
             rejected += out.rejections
             completed += out.completed
             if out.completed:
-                self._changed.notify()
+                self._emitter.changed.notify()
             pending = [pending[p] for p in out.deferred]
             remaining = deadline - time.monotonic()
             if not pending or remaining <= 0:
                 break
-            await self._changed.wait(min(remaining, 0.5))
+            await self._emitter.changed.wait(min(remaining, 0.5))
         reason = None
         if pending:
             self.core.deferred(len(pending))
@@ -387,22 +316,15 @@ class SchedulerActor:
         are counted like pushed samples; a failing stream lands in stats().dataset_errors.
         """
         self._start()
-        self._raise_if_failed()
+        self._emitter.raise_if_failed()
         if self.core.input_closed:
             raise SchedulerStateError(f"scheduler {self.name!r}: end_of_input() was called; no more datasets")
-        try:
-            dataset.context.execution_options.preserve_order = False  # completion order, not input order
-        except AttributeError:
-            pass
-        self._active_datasets += 1
-        loop = asyncio.get_running_loop()
-        threading.Thread(target=self._consume, args=(dataset, loop, end_input_when_done),
-                         name=f"{self.name}-dataset", daemon=True).start()
+        self._datasets.start(dataset, self._ingest_row, lambda: self._dataset_done(end_input_when_done))
 
     async def flush(self, timeout_s: float = 60.0) -> FlushResult:
         """Emit every full step, then treat what is left by the leftover policy. Waits for it."""
         self._start()
-        return await self._await_flush(self._request_flush("flush", end_of_input=False), timeout_s)
+        return await self._emitter.flush_result(self._emitter.request_flush("flush", end_of_input=False), timeout_s)
 
     async def end_of_input(self, timeout_s: float = 120.0) -> FlushResult:
         """No more pushes: after running datasets finish, flush, close incomplete rollouts
@@ -410,7 +332,7 @@ class SchedulerActor:
         get_shard past the last step then returns None."""
         self._start()
         self.core.input_closed = True
-        return await self._await_flush(self._request_flush("end_of_input", end_of_input=True), timeout_s)
+        return await self._emitter.flush_result(self._emitter.request_flush("end_of_input", end_of_input=True), timeout_s)
 
     # -- reports ---------------------------------------------------------------------
     async def step_record(self, step: int) -> StepRecord:
@@ -424,148 +346,35 @@ class SchedulerActor:
         include_rollouts adds every rollout id's (state, step, reason); check_ledger also runs
         the ledger invariants (raises LedgerError on a scheduler bug). Both are O(rollouts).
         """
-        return replace(self.core.stats(include_rollouts, check_ledger), failure=self._failure,
-                       dataset_errors=tuple(self._dataset_errors))
+        self._start()
+        return replace(self.core.stats(include_rollouts, check_ledger), failure=self._emitter.failure,
+                       dataset_errors=tuple(self._datasets.errors))
 
     async def close(self) -> None:
         """Stop the emitter (the actor may then be killed)."""
-        for task in (self._emitter, self._metrics_publisher):
-            if task is not None:
-                task.cancel()
+        for task in self._tasks:
+            task.cancel()
         self._publish_metrics()
-        self._layout_thread.shutdown(wait=False, cancel_futures=True)
+        if self._emitter is not None:
+            self._emitter.close()
 
     # -- internals: the Ray Data consumer ----------------------------------------------------
-    def _consume(self, dataset, loop: asyncio.AbstractEventLoop, end_input_when_done: bool) -> None:
-        """A thread: reads the stream, hands each row to the event loop (the state's only owner)."""
-        try:
-            for row in dataset.iter_rows():
-                asyncio.run_coroutine_threadsafe(self._ingest_row(dict(row)), loop).result()
-        except Exception as e:  # noqa: BLE001 - the stream's failure is reported, the scheduler lives on
-            self.log.error("%s: dataset stream failed: %r", self.name, e)
-            loop.call_soon_threadsafe(self._record_dataset_error, repr(e))
-        finally:
-            asyncio.run_coroutine_threadsafe(self._dataset_done(end_input_when_done), loop)
-
     async def _ingest_row(self, row: dict) -> None:
         while True:  # a dataset is never deferred: it waits for room
             out = self.core.ingest([row], now=time.monotonic())
             if out.completed:
-                self._changed.notify()
-            if not out.deferred or self._failure is not None:
+                self._emitter.changed.notify()
+            if not out.deferred or self._emitter.failure is not None:
                 return
-            await self._changed.wait(0.5)
+            await self._emitter.changed.wait(0.5)
 
-    def _record_dataset_error(self, error: str) -> None:
-        if len(self._dataset_errors) < MAX_DATASET_ERRORS:
-            self._dataset_errors.append(error)
-
-    async def _dataset_done(self, end_input_when_done: bool) -> None:
-        self._active_datasets -= 1
+    def _dataset_done(self, end_input_when_done: bool) -> None:
         if end_input_when_done:
             self.core.input_closed = True
-            self._request_flush("end_of_input", end_of_input=True)
-        self._changed.notify()
+            self._emitter.request_flush("end_of_input", end_of_input=True)
+        self._emitter.changed.notify()
 
-    # -- internals: the emitter ------------------------------------------------------------
-    async def _emit_loop(self) -> None:
-        try:
-            while True:
-                async with self._acting:
-                    action = self.core.next_action(now=time.monotonic(), flush_requests=[f.request for f in self._flushes],
-                                                   active_datasets=self._active_datasets)
-                    if isinstance(action, DropStale):
-                        self.core.drop_stale(action.rollout_ids)
-                    elif isinstance(action, EmitFullStep):
-                        rollouts = self.core.take(action.rollout_ids)
-                        await self._emit(rollouts, "full", triggered_at=max(r.ready_at for r in rollouts))
-                    elif isinstance(action, RunFlush):
-                        pending = self._flushes[action.index]
-                        del self._flushes[action.index]
-                        await self._run_flush(pending)
-                    elif isinstance(action, MaxWaitFlush):
-                        await self._run_flush(_PendingFlush(FlushRequest("max_wait", False), time.monotonic()))
-                if isinstance(action, WaitFor):
-                    await self._changed.wait(action.timeout_s)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - fail loudly and for good, never spin or hang
-            self._failure = f"{type(e).__name__}: {e}"
-            self.log.exception("%s: scheduler failed; every later call raises: %s", self.name, self._failure)
-            for pending in self._flushes:
-                pending.error = self._failure
-                pending.done.set()
-            self._flushes.clear()
-            self._published.notify()
-            self._changed.notify()
-
-    async def _run_flush(self, pending: _PendingFlush) -> None:
-        steps, dropped = [], []
-        try:
-            for rollouts, trigger in self.core.flush(pending.request, dropped):
-                triggered_at = max(r.ready_at for r in rollouts) if trigger == "full" else pending.created_at
-                steps.append(await self._emit(rollouts, trigger, triggered_at=triggered_at))
-            if self.core.ended:
-                self._published.notify()
-            pending.result = FlushResult(steps=tuple(steps), dropped=tuple(dropped), kept=self.core.intake.num_ready)
-        except Exception as e:
-            pending.error = f"{type(e).__name__}: {e}"
-            raise
-        finally:
-            pending.done.set()
-            self._publish_metrics()
-
-    async def _emit(self, rollouts: list[ReadyRollout], trigger: str, *, triggered_at: float) -> int:
-        """Lay out and put the shards on the layout thread, then publish on the loop. Returns the step."""
-        step = self.core.next_step
-        try:
-            planned, where = await asyncio.get_running_loop().run_in_executor(
-                self._layout_thread, self._plan_and_put, rollouts, step, self.core.layout, self._ranks_by_node)
-        except BaseException:
-            self.core.return_front(rollouts)  # nothing of the step happened: the rollouts stay buffered
-            raise
-        self.core.publish(rollouts, planned, where, trigger, triggered_at=triggered_at, now=time.monotonic())
-        self._published.notify()
-        return step
-
-    def _plan_and_put(self, rollouts, step: int, layout: Layout,
-                      node_ranks: list[list[int]] | None) -> tuple[PlannedStep, list]:
-        """The layout thread: pure planning, then the shards into the object store (objects owned by this
-        actor): one per rank, or one per node (`node_ranks`: the DP ranks of each node) holding its ranks'.
-        Returns the plan and, per DP rank, (ObjectRef, index in its node's object or None)."""
-        planned = plan_step(rollouts, step=step, layout=layout, batch=self.config.batch)
-        if node_ranks is None:
-            return planned, [(ray.put(shard), None) for shard in planned.shards]
-        where: list = [None] * len(planned.shards)
-        for ranks in node_ranks:
-            ref = ray.put(tuple(planned.shards[rank] for rank in ranks))
-            for index, rank in enumerate(ranks):
-                where[rank] = (ref, index)
-        return planned, where
-
-    # -- internals: flush requests and failure ---------------------------------------------
-    def _request_flush(self, trigger: str, *, end_of_input: bool) -> _PendingFlush:
-        pending = _PendingFlush(FlushRequest(trigger, end_of_input), time.monotonic())
-        self._flushes.append(pending)
-        self._changed.notify()
-        return pending
-
-    async def _await_flush(self, pending: _PendingFlush, timeout_s: float) -> FlushResult:
-        self._raise_if_failed()
-        try:
-            await asyncio.wait_for(pending.done.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            raise SchedulerTimeoutError(
-                f"{pending.request.trigger} not done after {timeout_s} s: train group registered: "
-                f"{self.core.layout is not None}, datasets still running: {self._active_datasets}") from None
-        if pending.error is not None:
-            raise SchedulerStateError(f"{pending.request.trigger} failed in the scheduler: {pending.error}")
-        return pending.result
-
-    def _raise_if_failed(self) -> None:
-        if self._failure is not None:
-            raise SchedulerStateError(f"scheduler {self.name!r} failed: {self._failure}")
-
+    # -- internals: metrics ----------------------------------------------------------------
     async def _publish_metrics_loop(self) -> None:
         """The metrics every METRICS_PUBLISH_S (and at restores, rewinds, flushes and close): pushes, steps
         and acks only buffer theirs (actors/scheduler_metrics.py says why)."""

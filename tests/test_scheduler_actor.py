@@ -282,12 +282,12 @@ def test_carry_policy_flush_waits_for_train_group_and_drops_at_end(scheduler_fac
 def test_gc_thresholds_are_relaxed_only_in_the_scheduler_process(scheduler_factory):
     import gc
 
-    from actors.scheduler_actor import _GC_THRESHOLDS
+    from actors.gc_tuning import GC_THRESHOLDS
 
     scheduler = scheduler_factory("vgbs-test-gc", batch=BatchConfig(global_batch_size=2, max_tokens_per_gpu=64))
     in_actor = ray.get(scheduler.__ray_call__.remote(lambda self: gc.get_threshold()), timeout=60)
-    assert tuple(in_actor) == _GC_THRESHOLDS
-    assert gc.get_threshold() != _GC_THRESHOLDS  # the driver (this test process) keeps its own
+    assert tuple(in_actor) == GC_THRESHOLDS
+    assert gc.get_threshold() != GC_THRESHOLDS  # the driver (this test process) keeps its own
 
 
 def test_rewind_replays_the_steps_after_a_checkpoint_in_order_exactly_once(scheduler_factory):
