@@ -75,6 +75,12 @@ def run_job(out, extra=(), on_event=None):
     return summary, [history[s] for s in range(summary["steps"])]
 
 
+@pytest.fixture(scope="module")
+def clean_run(ray_session, tmp_path_factory):
+    """The run without faults that the fault tests compare with: (summary, history). Run once for the module."""
+    return run_job(tmp_path_factory.mktemp("clean"))
+
+
 def ledger_trained(out) -> dict:
     """rollout id -> step, of every rollout the final checkpoint's ledger says was trained."""
     with open(latest_checkpoint(str(out)) + "/ledger.json") as handle:
@@ -82,8 +88,8 @@ def ledger_trained(out) -> dict:
     return {rid: state[1] for rid, state in ledger["rollouts"].items() if state[0] == "trained"}
 
 
-def test_two_killed_train_ranks_are_recovered_and_every_rollout_trains_exactly_once(ray_session, tmp_path):
-    clean, clean_history = run_job(tmp_path / "clean")
+def test_two_killed_train_ranks_are_recovered_and_every_rollout_trains_exactly_once(ray_session, tmp_path, clean_run):
+    clean, clean_history = clean_run
     total = clean["rollouts_by_state"]["trained"]
     assert clean["recoveries"] == [] and clean["rollouts_trained"] == total >= 24
 
@@ -172,8 +178,9 @@ def test_a_killed_scheduler_stops_the_run_with_what_was_lost(ray_session, tmp_pa
     print(f"scheduler loss: stopped {stopped_after_s:.1f} s after the kill")
 
 
-def test_a_killed_scheduler_is_restored_in_the_job_and_every_rollout_trains_exactly_once(ray_session, tmp_path):
-    clean, clean_history = run_job(tmp_path / "clean")
+def test_a_killed_scheduler_is_restored_in_the_job_and_every_rollout_trains_exactly_once(ray_session, tmp_path,
+                                                                                        clean_run):
+    clean, clean_history = clean_run
     killed = {}
 
     def kill_scheduler(event, step, controller):
