@@ -10,6 +10,8 @@ import tempfile
 
 import pytest
 
+from tests.ray_support import start_local_ray
+
 # Every Ray cluster the tests start (in-process, or a job's subprocess) uses token auth with
 # a token of this test session's own, so no test reads, creates or clobbers the user's
 # ~/.ray/auth_token. RAY_AUTH_TOKEN would win over the file: drop an inherited one.
@@ -28,12 +30,6 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(
-            address="local",
-            num_cpus=8,  # logical CPUs are bookkeeping; placement groups and Ray Data both need some
-            include_dashboard=False,
-            object_store_memory=256 << 20,
-            log_to_driver=False,
-        )
+        start_local_ray()
     yield ray
     ray.shutdown()

@@ -17,6 +17,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from actors.train_group import TrainGroup, TrainStepError
+from tests.ray_support import start_local_ray
 from tests.train_support import assert_same_update, inprocess_trainer, make_samples, sgd_config, update_between
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.schedule import build_dp_schedule
@@ -46,8 +47,7 @@ def two_node_cluster():
     ray.shutdown()
     cluster.shutdown()
     if restart:  # as tests/conftest.py's session fixture started it
-        ray.init(address="local", num_cpus=8, include_dashboard=False, object_store_memory=256 << 20,
-                 log_to_driver=False)
+        start_local_ray()
 
 
 def test_spread_dp_ranks_train_across_nodes_and_a_removed_node_fails_the_next_step(two_node_cluster):
