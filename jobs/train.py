@@ -73,9 +73,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def init_ray(config: JobConfig) -> bool:
     """Start an in-process cluster or attach to one; returns whether this job started it.
 
-    The auth mode is Ray's to decide, never set here: an in-process cluster gets Ray's default
-    (token auth), and a job attached to a cluster inherits that cluster's RAY_AUTH_MODE and token.
+    A process already connected to Ray (`main` called from a notebook or a test) runs the job on
+    that cluster, whatever run.ray_address says. The auth mode is Ray's to decide, never set here:
+    an in-process cluster gets Ray's default (token auth), and a job attached to a cluster inherits
+    that cluster's RAY_AUTH_MODE and token.
     """
+    if ray.is_initialized():
+        return False
     if config.run.ray_address == "local":
         ray.init(address="local", num_cpus=config.run.local_num_cpus, include_dashboard=False,
                  object_store_memory=256 << 20, log_to_driver=False)

@@ -2,7 +2,8 @@
 checkpoint, then started again with run.resume=true, continues where it was and trains every
 rollout once.
 
-Two runs of `python -m jobs.train` on the embedded default: 6 steps with a checkpoint every 3, then
+Two runs of the job on the embedded default (`jobs.train.main`, what `python -m jobs.train` runs, on the
+tests' Ray cluster): 6 steps with a checkpoint every 3, then
 the same output directory to 9 steps. The resumed run restores the scheduler at step 6 (its
 untrained rollouts train first), starts the engines from the checkpoint's weights at policy version
 6 and the producers at their cursors. Checked: every step 0-8 appears once with policy version =
@@ -16,26 +17,24 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
 from jobs.progress import read_records
+from jobs.train import main
 
 pytestmark = pytest.mark.slow
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIRST_STEPS, ALL_STEPS, MAX_STALENESS = 6, 9, 1
 DUPLICATE_RULES = {"already_scheduled", "already_complete", "already_dropped", "duplicate_sample"}
 
 
-def run_job(out: pathlib.Path, *extra: str) -> subprocess.CompletedProcess:
+def run_job(capsys, out: pathlib.Path, *extra: str) -> str:
+    """Run the job; returns what it printed."""
     items = [f"run.output_dir={out}", "run.checkpoint_every=3", "run.plot=false", *extra]
-    done = subprocess.run([sys.executable, "-m", "jobs.train", *[a for item in items for a in ("--set", item)]],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    return done
+    capsys.readouterr()
+    assert main([a for item in items for a in ("--set", item)]) == 0
+    return capsys.readouterr().out
 
 
 def latest_ledger(out: pathlib.Path) -> dict:
@@ -47,15 +46,15 @@ def trained_ids(ledger: dict) -> dict[str, int]:
     return {rid: state[1] for rid, state in ledger["rollouts"].items() if state[0] == "trained"}
 
 
-def test_a_closed_loop_run_resumes_at_its_checkpoint_and_trains_each_rollout_once(tmp_path):
+def test_a_closed_loop_run_resumes_at_its_checkpoint_and_trains_each_rollout_once(ray_session, tmp_path, capsys):
     out = tmp_path / "run"
-    run_job(out, f"run.num_steps={FIRST_STEPS}")
+    run_job(capsys, out, f"run.num_steps={FIRST_STEPS}")
     at_stop = trained_ids(latest_ledger(out))
     assert set(at_stop.values()) == set(range(FIRST_STEPS))
 
-    resumed = run_job(out, f"run.num_steps={ALL_STEPS}", "run.resume=true")
-    assert f"at step {FIRST_STEPS} (policy version {FIRST_STEPS}," in resumed.stdout, resumed.stdout[-2000:]
-    assert f"rollout engine(s) at policy version {FIRST_STEPS}" in resumed.stdout
+    resumed = run_job(capsys, out, f"run.num_steps={ALL_STEPS}", "run.resume=true")
+    assert f"at step {FIRST_STEPS} (policy version {FIRST_STEPS}," in resumed, resumed[-2000:]
+    assert f"rollout engine(s) at policy version {FIRST_STEPS}" in resumed
 
     history = {}
     for record in read_records(out / "steps.jsonl"):

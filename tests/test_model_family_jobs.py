@@ -1,6 +1,6 @@
-"""A closed-loop job trains from a Hugging Face checkpoint of each family, as a user would start one:
-`python -m jobs.train --set train.model.hf_checkpoint_dir=DIR` (the family, shape and tokenizer come
-from DIR). The checkpoints are tiny random models made here (`tests.hf_support.FAMILY_SHAPES`) with
+"""A closed-loop job trains from a Hugging Face checkpoint of each family, started as a user would start
+one: `python -m jobs.train --set train.model.hf_checkpoint_dir=DIR` (the family, shape and tokenizer come
+from DIR), here `jobs.train.main` with those arguments on the tests' Ray cluster. The checkpoints are tiny random models made here (`tests.hf_support.FAMILY_SHAPES`) with
 the digit task's tokenizer saved beside them, so the demo's agent runs on them unchanged. Slow: about
 a minute per family on 2 cores.
 """
@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from jobs.progress import read_records
+from jobs.train import main
 from tests.hf_support import tiny_hf_model
 
 pytestmark = pytest.mark.slow
@@ -28,7 +27,7 @@ STEPS, GLOBAL_BATCH = 3, 8
     ("llama3_tied", ["train.dp_size=1"]), ("qwen2", ["train.dp_size=1"]), ("qwen3", ["train.dp_size=1"]),
     ("qwen3_moe", ["train.dp_size=2", "train.ep_size=2"]),  # expert parallelism: each rank holds half the experts
 ])
-def test_a_closed_loop_job_trains_from_a_checkpoint_of_each_family(shape, parallel, tmp_path):
+def test_a_closed_loop_job_trains_from_a_checkpoint_of_each_family(ray_session, shape, parallel, tmp_path):
     checkpoint, out = tmp_path / "checkpoint", tmp_path / "run"
     hf_model = tiny_hf_model(checkpoint, shape, vocab_size=96)
     for path in (ROOT / "examples" / "digit_tokenizer").iterdir():
@@ -36,9 +35,7 @@ def test_a_closed_loop_job_trains_from_a_checkpoint_of_each_family(shape, parall
     items = [f"run.output_dir={out}", "run.plot=false", f"run.num_steps={STEPS}", "run.checkpoint_every=0",
              f"train.model.hf_checkpoint_dir={checkpoint}", *parallel, "closed_loop.group_size=4",
              "closed_loop.num_producers=1", f"scheduler.batch.global_batch_size={GLOBAL_BATCH}"]
-    done = subprocess.run([sys.executable, "-m", "jobs.train", *[a for item in items for a in ("--set", item)]],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert main([a for item in items for a in ("--set", item)]) == 0
 
     records = read_records(out / "steps.jsonl")
     assert [r["step"] for r in records] == list(range(STEPS))
