@@ -1,5 +1,5 @@
-"""The closed loop learns: the demo's configuration (`python -m jobs.train`, the embedded default)
-takes a from-scratch tiny Llama from near chance to a mean reward >= 0.8 on the digit task.
+"""The closed loop learns: the demo's configuration (`python -m jobs.train`, the embedded default; here
+`jobs.train.main` on the tests' Ray cluster) takes a from-scratch tiny Llama from near chance to a mean reward >= 0.8 on the digit task.
 
 Real everything: in-process Ray, a vLLM CPU engine sampling the policy, two AgentProducers running
 the digit agent (examples/digit_agent.py: chat sessions over its Hugging Face tokenizer), the
@@ -15,17 +15,14 @@ dropped included: the policy's own reward); the trained reward excludes all-corr
 from __future__ import annotations
 
 import json
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
 from jobs.progress import read_records
+from jobs.train import main
 
 pytestmark = pytest.mark.slow
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 WINDOW = 10
 STEPS = 100  # run.num_steps' default: the demo as `make demo` runs it
 
@@ -39,12 +36,9 @@ def mean(values) -> float:
     (1, []),  # the demo as `make demo` runs it
     (2, ["train.loss.off_policy.max_staleness=2", "train.loss.off_policy.policy_loss=decoupled_ppo"]),
 ])
-def test_the_demo_configuration_learns_the_digit_task_from_chance(tmp_path, max_staleness, extra):
+def test_the_demo_configuration_learns_the_digit_task_from_chance(ray_session, tmp_path, max_staleness, extra):
     out = tmp_path / "run"
-    overrides = [arg for item in (f"run.output_dir={out}", "run.plot=false", *extra) for arg in ("--set", item)]
-    done = subprocess.run([sys.executable, "-m", "jobs.train", *overrides], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert main([arg for item in (f"run.output_dir={out}", "run.plot=false", *extra) for arg in ("--set", item)]) == 0
     records = read_records(out / "steps.jsonl")
     assert [r["step"] for r in records] == list(range(STEPS))
     assert [r["policy_version"] for r in records] == list(range(STEPS))  # one published version per step

@@ -12,13 +12,13 @@ import json
 import re
 import shlex
 import subprocess
-import sys
 import time
 
 import pytest
 
 from jobs.job_config import load_job_config
 from jobs.progress import read_records
+from jobs.train import main
 from tests.cluster_support import (ROOT, failed_tasks, http, in_user_shell, job_logs, job_status, scrape, step_lines,
                                    submit_job, token_auth_head)
 
@@ -44,17 +44,18 @@ def job_options(output_dir, *extra) -> list[str]:
     return [arg for item in (*SMALL_RUN, f"run.output_dir={output_dir}", *extra) for arg in ("--set", item)]
 
 
-def job_command(output_dir, *extra) -> list[str]:
-    return [sys.executable, "-m", "jobs.train", *job_options(output_dir, *extra)]
+def run_job(capsys, output_dir, *extra) -> str:
+    """Run the job (`jobs.train.main`, what `python -m jobs.train` runs) on the tests' Ray cluster; returns what it printed."""
+    capsys.readouterr()
+    assert main(job_options(output_dir, *extra)) == 0
+    return capsys.readouterr().out
 
 
-def test_local_job_trains_full_and_partial_steps_records_them_and_resumes(tmp_path):
+def test_local_job_trains_full_and_partial_steps_records_them_and_resumes(ray_session, tmp_path, capsys):
     out = tmp_path / "run"
-    first = subprocess.run(job_command(out, "run.checkpoint_every=2"), cwd=ROOT,
-                           capture_output=True, text=True, timeout=600)
-    assert first.returncode == 0, first.stderr[-3000:]
+    first = run_job(capsys, out, "run.checkpoint_every=2")
     records = read_records(out / "steps.jsonl")
-    assert len(step_lines(first.stdout)) == len(records) >= 3
+    assert len(step_lines(first)) == len(records) >= 3
     rollouts = [r["num_rollouts"] for r in records]
     summary = json.loads((out / "summary.json").read_text())
     # Every rollout trained exactly once, but for a group whose two rollouts tied on reward by chance
@@ -78,10 +79,8 @@ def test_local_job_trains_full_and_partial_steps_records_them_and_resumes(tmp_pa
     # Resume: run.num_steps counts the whole run's steps, and the producers continue at their saved
     # cursors, which are past every prompt: nothing is left to train, nothing trains twice
     # (tests/test_resume*.py resume runs cut short).
-    second = subprocess.run(job_command(out, "run.resume=true", f"run.num_steps={len(records) + 2}"), cwd=ROOT,
-                            capture_output=True, text=True, timeout=600)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert f"resumed from {out / 'checkpoints' / latest} at step {len(records)}" in second.stdout
+    second = run_job(capsys, out, "run.resume=true", f"run.num_steps={len(records) + 2}")
+    assert f"resumed from {out / 'checkpoints' / latest} at step {len(records)}" in second
     assert read_records(out / "steps.jsonl") == records
 
 
