@@ -12,6 +12,7 @@ ingesting five to ten samples costs, and the export to Prometheus is periodic an
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter as Counts
 
 from ray.util.metrics import Counter, Gauge, Histogram
@@ -89,8 +90,16 @@ class SchedulerMetrics:
         if count:
             self._increments[self.stale_dropped, None] += count
 
-    def on_state(self, *, buffered_rollouts: int, buffered_samples: int, steps_in_flight: int, policy_version: int) -> None:
+    def publish_state(self, core) -> None:
+        """Set the gauges of `core`'s state (a vgbs_ray.scheduler_core.SchedulerCore), then `publish()`."""
         self._gauge_values.update({
-            self.buffered_rollouts: buffered_rollouts, self.buffered_samples: buffered_samples,
-            self.steps_in_flight: steps_in_flight, self.policy_version: policy_version,
+            self.buffered_rollouts: core.intake.num_buffered_rollouts, self.buffered_samples: core.intake.buffered_samples,
+            self.steps_in_flight: core.next_step - core.steps_trained, self.policy_version: core.next_step,
         })
+        self.publish()
+
+    async def publish_every(self, core, seconds: float) -> None:
+        """`publish_state(core)` every `seconds`, until cancelled: pushes, steps and acks only buffer theirs."""
+        while True:
+            self.publish_state(core)
+            await asyncio.sleep(seconds)

@@ -11,11 +11,15 @@ from typing import Sequence
 
 import ray
 
+from vgbs_ray.errors import ConfigError
 from vgbs_ray.shard import StepShard
 
 
-def ranks_by_node(rank_nodes: Sequence[str]) -> list[list[int]]:
-    """DP ranks grouped by node, ranks ascending, nodes in order of their first rank."""
+def ranks_by_node(rank_nodes: Sequence[str], dp_size: int) -> list[list[int]]:
+    """DP ranks grouped by node, ranks ascending, nodes in order of their first rank. `rank_nodes`: the node of
+    each DP rank; raises ConfigError unless it names `dp_size` of them."""
+    if len(rank_nodes) != dp_size:
+        raise ConfigError(f"rank_nodes names {len(rank_nodes)} nodes, one per DP rank is needed (dp_size={dp_size})")
     groups: dict[str, list[int]] = {}
     for rank, node in enumerate(rank_nodes):
         groups.setdefault(node, []).append(rank)

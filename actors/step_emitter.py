@@ -24,9 +24,9 @@ from actors.async_signal import Signal
 from actors.flush_queue import FlushQueue, PendingFlush
 from actors.shard_placement import put_shards
 from vgbs_ray.config import BatchConfig
-from vgbs_ray.errors import SchedulerStateError
+from vgbs_ray.errors import SchedulerStateError, SchedulerTimeoutError
 from vgbs_ray.intake import ReadyRollout
-from vgbs_ray.scheduler_core import SchedulerCore
+from vgbs_ray.scheduler_core import SchedulerCore, StepSlot
 from vgbs_ray.scheduler_policy import DropStale, EmitFullStep, FlushRequest, MaxWaitFlush, RunFlush, WaitFor
 from vgbs_ray.scheduler_types import FlushResult
 from vgbs_ray.stepping import Layout, PlannedStep, plan_step
@@ -59,6 +59,25 @@ class StepEmitter:
     def raise_if_failed(self) -> None:
         if self.failure is not None:
             raise SchedulerStateError(f"scheduler {self.name!r} failed: {self.failure}")
+
+    async def wait_for_slot(self, step: int, timeout_s: float, who: str) -> StepSlot | None:
+        """The slot of `step` once published; None once input ended and it never will be. Raises
+        SchedulerTimeoutError after `timeout_s` (`who` names the caller), SchedulerStateError for a released
+        step or once the emitter failed."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.raise_if_failed()
+            slot = self.core.slots.get(step)
+            if slot is not None:
+                return slot
+            if step < self.core.next_step:
+                raise SchedulerStateError(f"step {step} was acknowledged by every rank and released")
+            if self.core.ended:
+                return None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise SchedulerTimeoutError(f"{who}: no shard after {timeout_s} s; {self.core.describe_wait()}")
+            await self.published.wait(remaining)
 
     def request_flush(self, trigger: str, *, end_of_input: bool) -> PendingFlush:
         pending = self.flushes.request(trigger, end_of_input=end_of_input)

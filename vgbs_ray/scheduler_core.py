@@ -260,10 +260,12 @@ class SchedulerCore:
                              len(out.rejections), first.rollout_id, first.rule, first.message)
         return out
 
-    def deferred(self, count: int) -> None:
-        """A submit returned `count` samples unaccepted (backpressure): counted, they were not taken."""
+    def deferred(self, count: int) -> str:
+        """A submit returned `count` samples unaccepted (backpressure): counted, they were not taken. Returns
+        why (the backpressure reason)."""
         self._deferred += count
         self.events.on_submit(0, (), count)
+        return self.admission()[1] or "buffer_full"
 
     def admit(self, rollout_ids: Sequence, engine_version: int, producer: int | None = None) -> Admission:
         """May a producer start these rollouts (a group: all or none) with an engine at `engine_version`?
