@@ -48,6 +48,7 @@ import numpy as np
 import ray
 
 from actors.agent_endpoint import AgentEndpoint, listen_address
+from actors.engine_version_watch import EngineVersionWatch
 from actors.rollout_engine import EngineError
 from vgbs_ray.agents import RequestTooLongError, RolloutContext, SamplingConfig, load_agent, resolve, run_group
 from vgbs_ray.errors import ConfigError
@@ -127,15 +128,20 @@ class AgentProducerConfig:
     again whole by a resumed producer and the scheduler rejects the samples it holds, so the agent must
     give the same samples on every run (the synthetic agent does)."""
     admit_retry_s: float = 0.05
+    """Seconds between reads of the engines' version while a refused group waits for a newer one (one read per
+    producer serves all of its workers: actors/engine_version_watch.py)."""
+    admit_recheck_s: float = 0.5
+    """A refused group asks the scheduler again after this long even if the engines' version did not change
+    (other rollouts dropped or abandoned may have freed room in the staleness window)."""
 
     def __post_init__(self):
         for name in ("group_size", "groups_in_flight", "num_producers"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"AgentProducerConfig.{name} must be an integer >= 1, got {value!r}")
-        if self.timeout_s <= 0 or self.admit_retry_s <= 0:
-            raise ConfigError(f"AgentProducerConfig: timeout_s and admit_retry_s must be > 0 seconds, got "
-                              f"{self.timeout_s}, {self.admit_retry_s}")
+        if self.timeout_s <= 0 or self.admit_retry_s <= 0 or self.admit_recheck_s < self.admit_retry_s:
+            raise ConfigError(f"AgentProducerConfig: timeout_s and admit_retry_s must be > 0 seconds and admit_recheck_s "
+                              f">= admit_retry_s, got {self.timeout_s}, {self.admit_retry_s}, {self.admit_recheck_s}")
         if self.endpoint_host is not None and not self.endpoint_token:
             raise ConfigError("AgentProducerConfig: an endpoint (endpoint_host) needs endpoint_token")
         if not 0 <= self.sample_push_fraction <= 1:
@@ -272,6 +278,7 @@ class AgentProducer:
         self._failed: dict[str, int] = {}
         self._times = dict(engine_wait_s=0.0, idle_s=0.0)
         self._batcher = _Batcher(engines, self._times)
+        self._engine_versions = None if engines is None else EngineVersionWatch(engines.policy_version, config.admit_retry_s)
         self._reward_sum, self._reward_count = 0.0, 0
         self._metric_sums: dict[str, float] = {}
         self._unreported = (0.0, 0)
@@ -313,7 +320,8 @@ class AgentProducer:
         return self._endpoint.address
 
     async def stop(self) -> AgentProducerReport:
-        """Stop: workers return at their next await; unpushed groups are abandoned (and the scheduler told)."""
+        """Stop: workers return at their next await, groups whose agents still run are cancelled, and unpushed
+        groups are abandoned (the scheduler is told)."""
         self._stop.set()
         if self._running:
             await self._finished.wait()
@@ -388,12 +396,13 @@ class AgentProducer:
                     for m, rid in enumerate(ids)]
         sessions = [self._endpoint.open(ctx) for ctx in contexts] if self._endpoint is not None else []
         try:
-            outcome = await run_group(self._agent, row, contexts, timeout_s=config.timeout_s,
-                                      max_sequence_length=config.max_sequence_length, fatal_errors=(EngineError,))
+            outcome = await self._unless_stopped(run_group(
+                self._agent, row, contexts, timeout_s=config.timeout_s,
+                max_sequence_length=config.max_sequence_length, fatal_errors=(EngineError,)))
         finally:
             for session in sessions:
                 self._endpoint.close(session)
-        if self._stop.is_set():
+        if outcome is None or self._stop.is_set():
             return False
         if outcome.failure is not None:
             reason, member, detail = outcome.failure
@@ -423,6 +432,20 @@ class AgentProducer:
         self._unreported = (self._unreported[0] + sum(rewards), self._unreported[1] + len(rewards))
         return True
 
+    async def _unless_stopped(self, work):
+        """`work`'s result, or None when `stop()` came first: the agents' calls are cancelled then, so a stopping
+        producer does not wait out a slow tool call or a hung agent (up to `timeout_s`) only to abandon the group."""
+        task = asyncio.ensure_future(work)
+        stopped = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)  # the agents' own cleanup runs first
+        return task.result() if not task.cancelled() else None
+
     async def _no_engines(self, token_ids, sampling: SamplingConfig):
         raise EngineError("this job runs no rollout engines (closed_loop.enabled=false, as in the synthetic preset): "
                           "an agent here makes its samples itself (ctx.add_sample); set closed_loop.enabled=true "
@@ -439,22 +462,29 @@ class AgentProducer:
 
     async def _admit(self, local: int, rollout_ids: list) -> frozenset | None:
         """Wait until the scheduler admits the group at the engines' version; returns the ids the
-        scheduler already holds (pushed before a resume), or None if stopped first."""
+        scheduler already holds (pushed before a resume), or None if stopped first. A refused group
+        asks again once the engines' version changed, or after `admit_recheck_s`."""
         while not self._stop.is_set():
-            decision = await self._scheduler.admit.remote(rollout_ids, await self._engine_version(), self._index)
+            version = await self._engine_version()
+            decision = await self._scheduler.admit.remote(rollout_ids, version, self._index)
             if decision.admit:
                 known = frozenset(decision.known)
                 self._admitted[local] = [rid for rid in rollout_ids if rid not in known]
                 return known
             self._counts["not_admitted"] += 1
-            await self._idle(self._config.admit_retry_s)
+            recheck_at = time.monotonic() + self._config.admit_recheck_s
+            while not self._stop.is_set() and time.monotonic() < recheck_at:
+                await self._idle(self._config.admit_retry_s)
+                if await self._engine_version() != version:
+                    break
         return None
 
     async def _engine_version(self) -> int:
-        """The oldest policy version any engine holds (a rollout may be sampled by any of them); 0 without engines."""
-        if self._engines is None:
+        """The oldest policy version any engine holds (a rollout may be sampled by any of them), read at most
+        `admit_retry_s` ago; 0 without engines."""
+        if self._engine_versions is None:
             return 0
-        return await self._engines.policy_version()
+        return await self._engine_versions.current()
 
     async def _push(self, samples: list[dict]) -> bool:
         while samples:

@@ -3,9 +3,10 @@
 The agent is the demo's (examples/digit_agent.py, chat sessions over its real tokenizer); the
 stand-in engine answers a request right when its seed is even, else wrong, and reports a policy
 version the test sets. What is checked: whole groups pushed with the engine's version and
-log-probs, token-exact chat samples, a dataset source, stop() abandoning the groups in flight, a
-producer resumed from `cursor()` pushing every prompt exactly once, an engine failure failing the
-producer, and an agent failure losing only its group, dropped by reason in the ledger.
+log-probs, token-exact chat samples, a dataset source, stop() abandoning the groups in flight
+without waiting for their agents, a producer resumed from `cursor()` pushing every prompt exactly
+once, an engine failure failing the producer, and an agent failure losing only its group, dropped
+by reason in the ledger.
 """
 
 from __future__ import annotations
@@ -160,11 +161,11 @@ def test_stop_abandons_groups_in_flight_and_a_resumed_producer_pushes_each_promp
         return report.awaiting_engine == 3 and report.awaiting_requests == held
 
     wait_until(three_groups_held, "three groups never waited on the engine together, all held")
-    stopping = actor.stop.remote()
-    wait_until(lambda: ray.get(actor.report.remote(), timeout=30).stopped, "stop() did not begin")
-    ray.get(engine.go.remote(), timeout=30)
-    stopped = ray.get(stopping, timeout=60)
+    # stop() returns while the engine still holds the groups' requests: their agents are cancelled, not waited for
+    stopped = ray.get(actor.stop.remote(), timeout=60)
     first = ray.get(run, timeout=60)
+    assert ray.get(engine.waiting.remote(), timeout=30) == 3 * 4
+    ray.get(engine.go.remote(), timeout=30)
     assert first.stopped and stopped.groups == first.groups
     assert first.abandoned_rollouts == 3 * 4 and first.in_flight == 0  # the three groups in flight, whole
     pushed = {rid.rsplit("-r", 1)[0] for rid in held_rollouts(scheduler)}
