@@ -526,14 +526,20 @@ class AgentProducer:
             self._scheduler.abandon.remote(admitted)  # fire and forget: the scheduler may be going away too
 
 
-def start_agent_producer(index: int, config: AgentProducerConfig, scheduler, engines, prompts: PromptSpec, *,
-                         cursor: dict | None = None, name: str | None = None):
-    """One AgentProducer actor (num_cpus=0, asyncio) and its `run` ref, as an (actor, ref) pair.
+def create_agent_producer(index: int, config: AgentProducerConfig, scheduler, engines, prompts: PromptSpec, *,
+                          cursor: dict | None = None, name: str | None = None):
+    """One AgentProducer actor (num_cpus=0, asyncio), not yet running: `actor.run.remote()` starts it.
     `engines`: a RolloutEnginePool client, or None (agents that make their samples themselves)."""
     remote = ray.remote(num_cpus=0, max_concurrency=1000)(AgentProducer)
-    actor = remote.options(name=name).remote(index, config, scheduler, engines, prompts, cursor=cursor)
+    return remote.options(name=name).remote(index, config, scheduler, engines, prompts, cursor=cursor)
+
+
+def start_agent_producer(index: int, config: AgentProducerConfig, scheduler, engines, prompts: PromptSpec, *,
+                         cursor: dict | None = None, name: str | None = None):
+    """One AgentProducer actor, running: the (actor, `run` ref) pair (see `create_agent_producer`)."""
+    actor = create_agent_producer(index, config, scheduler, engines, prompts, cursor=cursor, name=name)
     return actor, actor.run.remote()
 
 
 __all__ = ["AgentProducer", "AgentProducerConfig", "AgentProducerReport", "PRODUCER_NAME", "PromptSpec",
-           "pushes_samples_one_by_one", "start_agent_producer"]
+           "create_agent_producer", "pushes_samples_one_by_one", "start_agent_producer"]

@@ -1,7 +1,7 @@
 """The job's rollout source: agent producers, and the rollout engines they sample with their weight sync.
 
-    loop = ClosedLoop.launch(config, policy_version=0)   # the engines' vLLM starts (no weights yet)
-    loop.start(config, scheduler, group, cursors=None)  # the group's weights to the engines, then producers
+    loop = ClosedLoop.launch(config, scheduler, policy_version=0)   # engines' vLLM and producers start
+    loop.start(config, group)          # the group's weights to the engines, then the producers run
     loop.producers                     # (actor, run ref) pairs
     sync_s = loop.publish(group, v)    # after the v-th optimizer step: export once, engines load async
     loop.restore(group, k)             # after a recovery restored step k's weights: engines go back to v = k
@@ -12,13 +12,14 @@ Every job has this one rollout source; `closed_loop.enabled=false` only leaves t
 (`engines` is None, `publish` and `restore` do nothing): its agent makes its samples itself, like
 the synthetic preset's (examples/synthetic_agent.py).
 
-Start-up is two calls, so that vLLM starts while the train group does. `ClosedLoop.launch` reads
-the prompt source (a dataset that cannot be read fails before anything starts) and starts the
-engines' processes from `<output_dir>/policy_init`: the model's config.json and the job's
-tokenizer files (`closed_loop.tokenizer_dir`), no weights (vLLM starts on placeholder weights and
-serves nothing before a load). `loop.start` publishes the train group's weights (initial or
-restored) as `policy_version`, waits until every engine loaded them, then starts
-`num_producers` AgentProducers on the prompts: the rows of `closed_loop.dataset` (read once with
+Start-up is two calls, so that vLLM and the producers start while the train group does.
+`ClosedLoop.launch` reads the prompt source (a dataset that cannot be read fails before anything
+starts), starts the engines' processes from `<output_dir>/policy_init`: the model's config.json
+and the job's tokenizer files (`closed_loop.tokenizer_dir`), no weights (vLLM starts on
+placeholder weights and serves nothing before a load), and creates `num_producers`
+AgentProducers (their processes import the agent and load the tokenizer meanwhile: seconds each).
+`loop.start` publishes the train group's weights (initial or restored) as `policy_version`, waits
+until every engine loaded them, then runs the producers on the prompts: the rows of `closed_loop.dataset` (read once with
 Ray Data, shared through the object store) or the generator `closed_loop.prompts`
 (`closed_loop.num_prompts` of them). Producer i answers positions i, i + n, ... and resumes at
 its saved cursor, so dataset rows are answered exactly once across a resume too.
@@ -31,6 +32,7 @@ trainer goes on). Engine load times are collected when they have finished, never
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -41,7 +43,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from actors.agent_producer import PRODUCER_NAME, AgentProducerConfig, PromptSpec, start_agent_producer
+from actors.agent_producer import PRODUCER_NAME, AgentProducerConfig, PromptSpec, create_agent_producer
 from actors.hf_checkpoint import write_hf_config
 from actors.rollout_engine import RolloutEnginePool
 from actors.shutdown import live_results, start_named, terminate
@@ -93,6 +95,11 @@ def engine_start_dir(config) -> str:
     return model_dir
 
 
+def cursor_at(cursors: list[dict | None] | None, index: int) -> dict | None:
+    """Producer `index`'s saved cursor, or None (from its first prompt) when none was saved."""
+    return cursors[index] if cursors and index < len(cursors) else None
+
+
 @dataclass
 class ClosedLoop:
     """The running rollout source of one job (see module docstring)."""
@@ -113,7 +120,9 @@ class ClosedLoop:
     channel_group: object = None
     """The train group the engines' weight channel connects to (transport=collective)."""
     producer_args: tuple = ()
-    """(AgentProducerConfig, scheduler, PromptSpec): what every producer starts with (set by `start`)."""
+    """(AgentProducerConfig, scheduler, PromptSpec): what every producer starts with (set by `launch`)."""
+    launched_producers: list = field(default_factory=list)
+    """Producer actors `launch` created, not yet running (`start` runs them)."""
     replacement_timeout_s: float = 600.0
     """How long a producer's requests wait for a replacement when every engine is dead."""
     policy_version: int = 0
@@ -126,46 +135,60 @@ class ClosedLoop:
     """Orders a publish and an engine replacement (the watch's thread) against each other."""
 
     @classmethod
-    def launch(cls, config, *, policy_version: int) -> "ClosedLoop":
+    def launch(cls, config, scheduler, *, policy_version: int,
+               cursors: list[dict | None] | None = None) -> "ClosedLoop":
         """The engines' processes start (closed_loop.enabled) from `engine_start_dir`, serving from
-        `policy_version` once it is loaded; returns at once, so vLLM starts while the train group does.
-        `config` is the JobConfig."""
+        `policy_version` once it is loaded, and the producers' actors are created, pushing to `scheduler`
+        once `start` runs them (producer i from `cursors[i]`, its saved `cursor()`, when given). Returns
+        without waiting for either, so they start while the train group does. `config` is the JobConfig."""
         loop_config = config.closed_loop
         prompts = prompt_spec(config)  # a dataset that cannot be read fails before anything starts
         if not loop_config.enabled:
-            return cls(engines=None, prompts=prompts)
-        engines = RolloutEnginePool(loop_config.engines, engine_start_dir(config), policy_version=policy_version,
-                                    wait=False)
-        return cls(engines=engines, prompts=prompts, weight_sync=loop_config.weight_sync, policy_version=policy_version)
+            loop = cls(engines=None, prompts=prompts)
+        else:
+            engines = RolloutEnginePool(loop_config.engines, engine_start_dir(config), policy_version=policy_version,
+                                        wait=False)
+            loop = cls(engines=engines, prompts=prompts, weight_sync=loop_config.weight_sync,
+                       policy_version=policy_version, replacement_timeout_s=loop_config.engines.startup_timeout_s + 60)
+        try:
+            loop.producer_args = (loop._producer_config(config), scheduler, prompts)
+            for index in range(loop_config.num_producers):
+                loop.launched_producers.append(
+                    start_named(functools.partial(loop._create_producer, index, cursor_at(cursors, index)), 60.0))
+        except BaseException:
+            loop.shutdown()
+            raise
+        return loop
 
-    def start(self, config, scheduler, group, *, cursors: list[dict | None] | None = None,
-              on_recovery=None) -> None:
+    def _producer_config(self, config) -> AgentProducerConfig:
+        loop_config = config.closed_loop
+        tokenizer_dir = os.path.abspath(loop_config.tokenizer_dir) if loop_config.tokenizer_dir is not None else None
+        if self.engines is not None and tokenizer_dir is not None:
+            tokenizer_dir = self.engines.model_dir  # the engines' copy
+        endpoint = loop_config.endpoint
+        return AgentProducerConfig(
+            agent=loop_config.agent, agent_kwargs=dict(loop_config.agent_kwargs), group_size=loop_config.group_size,
+            groups_in_flight=loop_config.groups_in_flight, num_producers=loop_config.num_producers,
+            sampling=loop_config.sampling, timeout_s=loop_config.timeout_s,
+            tokenizer_dir=tokenizer_dir, sample_push_fraction=loop_config.sample_push_fraction,
+            max_sequence_length=config.train.model.max_position_embeddings, seed=loop_config.seed,
+            endpoint_host=endpoint.host if endpoint.enabled else None,
+            endpoint_token=endpoint_token(config.run.output_dir) if endpoint.enabled else None)
+
+    def start(self, config, group, *, on_recovery=None) -> None:
         """`group`'s current weights to the engines as `policy_version` (waits for the engines and the load),
-        the engine watch, then the producers. `cursors[i]`, when given, is producer i's saved `cursor()`;
-        `on_recovery("engine")` is called after each engine replacement (the job's Ray metric). On an error
-        everything started is shut down."""
+        then the producers `launch` created run, then the engine watch. `on_recovery("engine")` is called
+        after each engine replacement (the job's Ray metric). On an error everything started is shut down."""
         loop_config = config.closed_loop
         try:
-            tokenizer_dir = os.path.abspath(loop_config.tokenizer_dir) if loop_config.tokenizer_dir is not None else None
             if self.engines is not None:
                 self.engines.wait_started()
                 self.publish(group, self.policy_version)
                 for _, refs in self.loads:  # the one load just published
                     self.engines.wait_for_weights(refs, loop_config.engines.startup_timeout_s)
                 self._collect_loads()
-                tokenizer_dir = self.engines.model_dir if tokenizer_dir is not None else None  # the engines' copy
-            self.replacement_timeout_s = loop_config.engines.startup_timeout_s + 60
-            endpoint = loop_config.endpoint
-            producer_config = AgentProducerConfig(
-                agent=loop_config.agent, agent_kwargs=dict(loop_config.agent_kwargs), group_size=loop_config.group_size,
-                groups_in_flight=loop_config.groups_in_flight, num_producers=loop_config.num_producers,
-                sampling=loop_config.sampling, timeout_s=loop_config.timeout_s,
-                tokenizer_dir=tokenizer_dir, sample_push_fraction=loop_config.sample_push_fraction,
-                max_sequence_length=config.train.model.max_position_embeddings, seed=loop_config.seed,
-                endpoint_host=endpoint.host if endpoint.enabled else None,
-                endpoint_token=endpoint_token(config.run.output_dir) if endpoint.enabled else None)
-            self.producer_args = (producer_config, scheduler, self.prompts)
-            self.restart_producers(scheduler, cursors)
+            self.producers = [(actor, actor.run.remote()) for actor in self.launched_producers]
+            self.launched_producers = []
             if self.engines is not None:
                 from jobs.engine_watch import EngineWatch
 
@@ -184,16 +207,19 @@ class ClosedLoop:
         self.producer_args = (config, scheduler, prompts)
         self.producers.clear()
         for index in range(config.num_producers):
-            cursor = cursors[index] if cursors and index < len(cursors) else None
-            self.producers.append(self.restart_producer(index, cursor))
+            self.producers.append(self.restart_producer(index, cursor_at(cursors, index)))
 
     def start_producer(self, index: int, cursor: dict | None) -> tuple:
-        """Producer `index` (actor named vgbs-producer-{index}) from `cursor`, as an (actor, run ref) pair."""
+        """Producer `index` (actor named vgbs-producer-{index}) from `cursor`, running, as an (actor, run ref) pair."""
+        actor = self._create_producer(index, cursor)
+        return actor, actor.run.remote()
+
+    def _create_producer(self, index: int, cursor: dict | None):
         config, scheduler, prompts = self.producer_args
         # The engines as they are now: a handle of an engine that was replaced would hang a new producer's calls.
         client = self.engines.client(self.replacement_timeout_s) if self.engines is not None else None
-        return start_agent_producer(index, config, scheduler, client, prompts, cursor=cursor,
-                                    name=PRODUCER_NAME.format(index))
+        return create_agent_producer(index, config, scheduler, client, prompts, cursor=cursor,
+                                     name=PRODUCER_NAME.format(index))
 
     def restart_producer(self, index: int, cursor: dict | None, timeout_s: float = 60.0) -> tuple:
         """Producer `index` again, from `cursor` (its cursor at the latest checkpoint: what it pushed since is
@@ -290,7 +316,7 @@ class ClosedLoop:
     def shutdown(self) -> None:
         if self.engine_watch is not None:  # first: no engine is replaced while they go
             self.engine_watch.stop()
-        terminate([actor for actor, _ in self.producers])
-        self.producers = []
+        terminate([actor for actor, _ in self.producers] + self.launched_producers)
+        self.producers, self.launched_producers = [], []
         if self.engines is not None:
             self.engines.shutdown()

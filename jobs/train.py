@@ -170,9 +170,11 @@ class Job:
         self.resumed = resume_from is not None
         # run.loggers' trackers (TensorBoard, W&B, MLflow): open off this thread, the config logged once.
         self.tracker = Tracker.start(config, first_step=self.first_step, resumed=resume is not None)
-        # The engines' processes start now (vLLM's start-up overlaps the train group's); they serve once
-        # the group's weights (version = steps trained so far) reached them.
-        self.loop = ClosedLoop.launch(config, policy_version=self.first_step)
+        # The engines' and producers' processes start now (their start-up overlaps the train group's); the
+        # engines serve once the group's weights (version = steps trained so far) reached them, and the
+        # producers run then, from their saved cursors on a resume.
+        cursors = resume.cursors if resume is not None else None
+        self.loop = ClosedLoop.launch(config, self.scheduler, policy_version=self.first_step, cursors=cursors)
         self.controller = TrainController(config, self.scheduler, first_step=self.first_step, restore_from=resume_from,
                                           restore_scheduler=self.restore_scheduler,
                                           on_recovery=self.metrics.on_recovery)
@@ -180,10 +182,8 @@ class Job:
         if resume is not None:
             print(f"resumed from {resume_from} at step {self.first_step} (policy version {resume.policy_version}, "
                   f"{resume.scheduler_state.num_live_rollouts} untrained rollouts restored)", flush=True)
-        cursors = resume.cursors if resume is not None else None
         started = time.monotonic()
-        self.loop.start(config, self.scheduler, self.controller.group, cursors=cursors,
-                        on_recovery=self.metrics.on_recovery)
+        self.loop.start(config, self.controller.group, on_recovery=self.metrics.on_recovery)
         self.controller.attach_producers(self.loop.producers, cursors)
         engines = (f"{config.closed_loop.engines.num_engines} rollout engine(s) at policy version {self.first_step}"
                    if self.loop.engines is not None else "no rollout engines")
