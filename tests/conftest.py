@@ -33,3 +33,11 @@ def ray_session():
         start_local_ray()
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def cluster_address(ray_session) -> str:
+    """The session cluster's address, for a job a test starts as a subprocess (`run.ray_address`): it attaches
+    instead of starting a cluster of its own (~5 s). Ray adds a driver's working directory to its workers'
+    path, so they import a user's module from the directory the job runs in."""
+    return ray_session.get_runtime_context().gcs_address

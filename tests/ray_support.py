@@ -4,18 +4,30 @@ module that needed a cluster of its own starts it again."""
 from __future__ import annotations
 
 import os
+import pathlib
 
-# How often the session cluster's processes export their metrics (Ray's default: every 10 s). The tests
-# that scrape the metrics port wait for one export; at 1 s they wait ~1 s instead of ~10.
-METRICS_REPORT_INTERVAL_MS = "1000"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def cluster_environment() -> dict[str, str]:
+    """What the session cluster's processes (and so every worker) get on top of this process's environment:
+    - metrics exported every second (Ray's default: 10 s), so the tests that scrape the metrics port wait
+      ~1 s for an export instead of ~10;
+    - the repository on the path, so the workers of a job that attaches to the cluster from another
+      directory (a user's project, tests/test_endpoint_agent_job.py) import `examples` as in a checkout.
+    """
+    path = os.environ.get("PYTHONPATH")
+    return {"RAY_metrics_report_interval_ms": "1000",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), path]) if path else str(ROOT)}
 
 
 def start_local_ray():
     """Start the tests' in-process local Ray cluster (the session's, or again after a module that needed its own)."""
     import ray
 
-    inherited = os.environ.get("RAY_metrics_report_interval_ms")
-    os.environ["RAY_metrics_report_interval_ms"] = METRICS_REPORT_INTERVAL_MS  # read by the processes it starts
+    extra = cluster_environment()
+    inherited = {name: os.environ.get(name) for name in extra}
+    os.environ.update(extra)  # read by the processes ray.init starts
     try:
         ray.init(
             address="local",
@@ -25,7 +37,8 @@ def start_local_ray():
             log_to_driver=False,
         )
     finally:  # jobs the tests start as subprocesses keep what they would have had
-        if inherited is None:
-            del os.environ["RAY_metrics_report_interval_ms"]
-        else:
-            os.environ["RAY_metrics_report_interval_ms"] = inherited
+        for name, value in inherited.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value

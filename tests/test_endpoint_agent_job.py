@@ -69,7 +69,7 @@ def trained_runs_and_gaps(sample: dict) -> tuple[list[list[int]], list[list[int]
     return runs, gaps
 
 
-def test_the_calculator_agent_trains_through_the_endpoint_token_for_token(tmp_path):
+def test_the_calculator_agent_trains_through_the_endpoint_token_for_token(tmp_path, cluster_address):
     tokenizer_dir = tmp_path / "tokenizer"
     tokenizer = bpe_chat_tokenizer()
     tokenizer.save_pretrained(tokenizer_dir)
@@ -79,7 +79,7 @@ def test_the_calculator_agent_trains_through_the_endpoint_token_for_token(tmp_pa
     samples_path, transcript_path, out = tmp_path / "samples.jsonl", tmp_path / "transcripts.jsonl", tmp_path / "run"
     kwargs = {"samples_path": str(samples_path), "run": "examples.calculator_agent:run",
               "run_kwargs": {"compact_after": 1, "transcript_path": str(transcript_path)}}
-    items = [f"run.output_dir={out}", "run.plot=false", "run.num_steps=3", "run.checkpoint_every=0",
+    items = [f"run.output_dir={out}", f"run.ray_address={cluster_address}", "run.plot=false", "run.num_steps=3", "run.checkpoint_every=0",
              "closed_loop.endpoint.enabled=true", "closed_loop.agent=my_agents.recording:make_agent",
              f"closed_loop.agent_kwargs={json.dumps(kwargs)}",
              "closed_loop.prompts=examples.calculator_agent:make_prompts", f"closed_loop.tokenizer_dir={tokenizer_dir}",

@@ -80,14 +80,6 @@ def prompt_rows(num_rows: int) -> list[dict]:
     return [{"id": i, "digits": [i % 10, (3 * i) % 10], "mode": modes[i], "source": "test"} for i in range(num_rows)]
 
 
-@pytest.fixture
-def cluster_address(ray_session) -> str:
-    """The tests' cluster: the jobs attach to it (`run.ray_address`) instead of starting one each (~5 s).
-    Their workers import the user's module from the job's directory, as Ray adds a driver's working
-    directory to its workers' path."""
-    return ray_session.get_runtime_context().gcs_address
-
-
 def run_job(project: pathlib.Path, dataset: pathlib.Path, out: pathlib.Path, address: str, *extra: str) -> dict:
     # closed_loop.timeout_s: the "hang" row's group ends only there; an "ok" member (two one-token turns)
     # takes well under a second, also on a busy machine.
