@@ -153,18 +153,20 @@ def test_stop_abandons_groups_in_flight_and_a_resumed_producer_pushes_each_promp
     wait_until(lambda: len(held_rollouts(scheduler)) >= 5 * 4, "the producer pushed fewer than five groups")
     ray.get(engine.hold.remote(), timeout=30)  # the next groups stay in flight
 
+    held = {}
+
     def three_groups_held() -> bool:
         # The engine first: a request it holds stays awaited until go(), so equal counts read in this order mean
         # every request the producer awaits is held (none sent before hold() is still being answered).
-        held = ray.get(engine.waiting.remote(), timeout=30)
+        held["requests"] = ray.get(engine.waiting.remote(), timeout=30)
         report = ray.get(actor.report.remote(), timeout=30)
-        return report.awaiting_engine == 3 and report.awaiting_requests == held
+        return report.awaiting_engine == 3 and report.awaiting_requests == held["requests"]
 
     wait_until(three_groups_held, "three groups never waited on the engine together, all held")
     # stop() returns while the engine still holds the groups' requests: their agents are cancelled, not waited for
     stopped = ray.get(actor.stop.remote(), timeout=60)
     first = ray.get(run, timeout=60)
-    assert ray.get(engine.waiting.remote(), timeout=30) == 3 * 4
+    assert ray.get(engine.waiting.remote(), timeout=30) == held["requests"] > 0
     ray.get(engine.go.remote(), timeout=30)
     assert first.stopped and stopped.groups == first.groups
     assert first.abandoned_rollouts == 3 * 4 and first.in_flight == 0  # the three groups in flight, whole
