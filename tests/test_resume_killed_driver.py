@@ -1,13 +1,14 @@
 """Resume across job restarts, exactly once: the job's driver SIGKILLed mid-run, then resumed.
 
 `python -m jobs.train` (the synthetic preset, a small config, run to the end of its input) runs
-as a subprocess in its own session. Once its records show step 3 trained and its latest
-checkpoint holds it (files polled: event-gated, no sleeps racing the run), the whole session is
-SIGKILLed: the driver, the in-process Ray it started (GCS, raylet) and the Ray workers, which sit
+as a subprocess in its own session, with its own Ray. Once its records show step 3 trained and its
+latest checkpoint holds it (files polled: event-gated, no sleeps racing the run), the whole session
+is SIGKILLed: the driver, the in-process Ray it started (GCS, raylet) and the Ray workers, which sit
 in process groups of their own; the test checks none is left. Then the same command with
-run.resume=true finishes the run. Compared with an uninterrupted run of the same config: the same
-set of trained rollout ids, each in exactly one step of the final history; rollouts trained before
-the checkpoint keep their step; rollouts the resumed producers sent again are rejected by rule.
+run.resume=true finishes the run, attached to the tests' cluster (a killed job is resubmitted to a
+cluster that lives), as is the uninterrupted run it is compared with: the same set of trained
+rollout ids, each in exactly one step of the final history; rollouts trained before the checkpoint
+keep their step; rollouts the resumed producers sent again are rejected by rule.
 
 Slow: three job runs, about two to three minutes on a loaded 2-core machine.
 """
@@ -122,10 +123,11 @@ def run_to_end(out: pathlib.Path, hold_until: pathlib.Path, *extra: str) -> tupl
     return done, time.monotonic() - started
 
 
-def test_a_driver_killed_mid_run_resumes_and_trains_every_rollout_exactly_once(tmp_path):
+def test_a_driver_killed_mid_run_resumes_and_trains_every_rollout_exactly_once(tmp_path, cluster_address):
     clean_out, out = tmp_path / "clean", tmp_path / "killed"
+    attach = f"run.ray_address={cluster_address}"  # the clean and the resumed run; the killed one has a Ray of its own
     # The first groups finish after the checkpoint the killed run is killed at: late, as they will after the resume.
-    _, clean_s = run_to_end(clean_out, clean_out / "checkpoints" / f"step_{KILL_AFTER_STEP + 1:06d}")
+    _, clean_s = run_to_end(clean_out, clean_out / "checkpoints" / f"step_{KILL_AFTER_STEP + 1:06d}", attach)
     clean_summary = json.loads((clean_out / "summary.json").read_text())
     clean_trained = trained_ids(final_ledger(clean_out))
     assert len(clean_trained) == clean_summary["rollouts_trained"] > 4 * KILL_AFTER_STEP
@@ -163,7 +165,7 @@ def test_a_driver_killed_mid_run_resumes_and_trains_every_rollout_exactly_once(t
     assert cursors == [{"next_index": 0}] * AGENTS  # the held groups
     assert len(sent_again) >= 4 * KILL_AFTER_STEP, "the rollouts pushed before the checkpoint are past the cursors"
 
-    resumed, resume_s = run_to_end(out, tmp_path, "run.resume=true")
+    resumed, resume_s = run_to_end(out, tmp_path, "run.resume=true", attach)
     assert f"resumed from {checkpoint} at step {next_step}" in resumed.stdout
     summary = json.loads((out / "summary.json").read_text())
     ledger = final_ledger(out)
