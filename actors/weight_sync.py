@@ -36,7 +36,6 @@ import ray
 
 from actors.train_config import ModelConfig
 from vgbs_ray.errors import ConfigError
-from vgbs_ray.hf_mapping import megatron_to_hf
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,7 +97,9 @@ class WeightLoad:
 def hf_tensors_from_full(full: dict[str, np.ndarray], model: ModelConfig, dtype=None) -> dict:
     """Whole-model Megatron parameters (as `RankTrainer.full_parameters` returns them) -> HF-named torch
     tensors, cast to `dtype` when given (e.g. torch.bfloat16: half the bytes of a float32 sync)."""
-    import torch
+    import torch  # here, not at the top: producers import this module (via actors.rollout_engine) and need no torch
+
+    from vgbs_ray.hf_mapping import megatron_to_hf
 
     hf = megatron_to_hf({name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in full.items()},
                         model.weight_layout)

@@ -1,13 +1,14 @@
-"""The closed loop survives a train-group failure (a TrainActor killed with a step in flight) and a
-dead rollout engine (replaced on its bundle by the engine watch).
+"""The closed loop survives the death of each of its actors: a TrainActor killed with a step in
+flight, a dead rollout engine (replaced on its bundle by the engine watch), a dead SchedulerActor.
 
 The job (in this process, real engine, producers, scheduler and Megatron ranks) recovers the
 group from the latest checkpoint, rewinds the scheduler, and publishes the restored weights to
 the engines as the restored step's version; every step of the final history trained once, with
 its policy version equal to its step and staleness within the bound. The kill happens at an
 event the job reports (`on_event`), never after a sleep. With either weight transport: over the
-weight channel, the new group's rank 0 opens a new channel to the same engines. Slow: about a
-minute each.
+weight channel (`collective`), the new group's rank 0 opens a new channel to the same engines;
+through the object store, one run takes all three deaths (a job start costs more than its steps
+on 2 cores, so they share one). Slow: about a minute each.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ def assert_every_step_trained_at_its_version(records: list[dict], steps: int) ->
     assert all(r["policy_version"] == r["step"] and r["staleness_max"] <= 1 for r in final.values())
 
 
-@pytest.mark.parametrize("transport", ["object_store", "collective"])
-def test_a_rank_killed_mid_step_is_recovered_and_the_engines_get_the_restored_weights(ray_session, tmp_path, transport):
+def test_a_rank_killed_mid_step_is_recovered_and_the_engines_get_the_restored_weights_over_the_channel(ray_session, tmp_path):
+    """Weight transport `collective`: the new group's rank 0 opens a new channel to the same engines."""
     config = load_job_config(None, [f"run.output_dir={tmp_path}", "run.num_steps=10",
                                     f"run.checkpoint_every={CHECKPOINT_EVERY}", "run.plot=false",
-                                    f"closed_loop.weight_sync.transport={transport}"])
+                                    "closed_loop.weight_sync.transport=collective"])
 
     def kill_a_rank(event, step, controller):
         if event == "step_started" and step == KILL_AT and not controller.recoveries:
@@ -47,17 +48,22 @@ def test_a_rank_killed_mid_step_is_recovered_and_the_engines_get_the_restored_we
     assert summary["steps"] == 10 and summary["rollouts_by_state"]["trained"] == 10 * 64
     records = read_records(tmp_path / "steps.jsonl")
     assert_every_step_trained_at_its_version(records, 10)
-    replayed = [r["step"] for r in records[CHECKPOINT_EVERY + 2:]]
+    replayed = [r["step"] for r in records[KILL_AT:]]
     assert replayed[:2] == [CHECKPOINT_EVERY, CHECKPOINT_EVERY + 1]  # steps 4, 5 trained again after the restore
 
 
-def test_a_killed_engine_is_replaced_and_a_killed_scheduler_restored_and_every_step_trains(ray_session, tmp_path):
-    """The only engine dies after step 2: producers' requests wait for the replacement, which loads the newest
-    published version before it serves (that it serves those weights: tests/test_rollout_engine.py). The
-    scheduler dies after step 5: a new one is restored from the checkpoint of step 4, the producers start
-    again from its cursors and the engines go back to version 4. Every step of the final history trains a
-    full batch at its own policy version, within the staleness bound."""
-    config = load_job_config(None, [f"run.output_dir={tmp_path}", "run.num_steps=10", "run.plot=false",
+def test_a_killed_engine_scheduler_and_rank_are_each_recovered_and_every_step_trains(ray_session, tmp_path):
+    """One run, weight transport `object_store`, three deaths at events the job reports:
+    - the only engine dies after step 2: producers' requests wait for the replacement, which loads the newest
+      published version before it serves (that it serves those weights: tests/test_rollout_engine.py);
+    - the scheduler dies after step 5: a new one is restored from the checkpoint of step 4, the producers start
+      again from its cursors and the engines go back to version 4;
+    - a TrainActor dies as step 9 starts: the group is restored from the checkpoint of step 8 and the engines get
+      its weights as version 8.
+    Every step of the final history trains a full batch at its own policy version, within the staleness bound,
+    and the records show exactly the steps each restore trained again."""
+    steps, rank_kill_at = 12, 2 * CHECKPOINT_EVERY + 1
+    config = load_job_config(None, [f"run.output_dir={tmp_path}", f"run.num_steps={steps}", "run.plot=false",
                                     f"run.checkpoint_every={CHECKPOINT_EVERY}"])
     killed = {}
 
@@ -68,15 +74,22 @@ def test_a_killed_engine_is_replaced_and_a_killed_scheduler_restored_and_every_s
         if event == "step_trained" and step == 5 and "scheduler" not in killed:
             killed["scheduler"] = controller.scheduler
             ray.kill(controller.scheduler, no_restart=True)
+        if event == "step_started" and step == rank_kill_at and "rank" not in killed:
+            killed["rank"] = controller.group.actors[1]
+            ray.kill(killed["rank"])
 
     summary = train(config, str(tmp_path / "steps.jsonl"), kill)
     (replacement,) = summary["closed_loop"]["engine_replacements"]
     assert replacement["engine"] == "rollout-engine-0" and replacement["cause"] == "dead"
     assert replacement["serves_from_version"] >= 3  # step 2's weights were published before the kill
-    (recovery,) = summary["recoveries"]
-    assert recovery["kind"] == "scheduler_lost" and recovery["restored_step"] == CHECKPOINT_EVERY
-    assert summary["closed_loop"]["restored_versions"] == [CHECKPOINT_EVERY]
-    assert summary["steps"] == 10 and summary["rollouts_by_state"]["trained"] == 10 * 64
+    scheduler_recovery, rank_recovery = summary["recoveries"]
+    assert scheduler_recovery["kind"] == "scheduler_lost" and scheduler_recovery["restored_step"] == CHECKPOINT_EVERY
+    assert rank_recovery["kind"] != "scheduler_lost" and rank_recovery["restored_step"] == 2 * CHECKPOINT_EVERY
+    assert summary["closed_loop"]["restored_versions"] == [CHECKPOINT_EVERY, 2 * CHECKPOINT_EVERY]
+    assert summary["steps"] == steps and summary["rollouts_by_state"]["trained"] == steps * 64
     records = read_records(tmp_path / "steps.jsonl")
-    assert_every_step_trained_at_its_version(records, 10)
-    print(f"engine replaced in {replacement['replace_s']} s; scheduler restored in {recovery['time_to_recover_s']} s")
+    assert_every_step_trained_at_its_version(records, steps)
+    # Steps 4, 5 trained again after the scheduler's restore; step 8 after the group's.
+    assert [r["step"] for r in records] == [*range(6), *range(4, 9), *range(8, steps)]
+    print(f"engine replaced in {replacement['replace_s']} s; scheduler restored in "
+          f"{scheduler_recovery['time_to_recover_s']} s; group restored in {rank_recovery['time_to_recover_s']} s")
