@@ -103,7 +103,10 @@ def token_auth_head(tmp_path: pathlib.Path):
                       f"--dashboard-port={dashboard_port} --metrics-export-port={metrics_port} "
                       f"--dashboard-agent-listen-port={agent_port} --ray-client-server-port={client_port} "
                       f"--temp-dir={ray_temp_dir}"),
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        # Stopped by SIGTERM below: Ray 2.60's `--block` then drains the node first, waiting out its 30 s
+        # default on a head (nothing here, such as Serve replicas, needs a drain), so it is turned off.
+        cwd=ROOT, env=dict(env, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0"), stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     address = f"http://127.0.0.1:{dashboard_port}"
     try:
