@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -114,16 +114,23 @@ class TrainGroup:
 
     # -- steps --------------------------------------------------------------------------
 
-    def train_step(self, step: int, scheduler, *, shard_timeout_s: float | None = None) -> StepResult | None:
+    def train_step(self, step: int, scheduler, *, shard_timeout_s: float | None = None,
+                   while_waiting: Callable[[], None] | None = None) -> StepResult | None:
         """Every rank pulls its shard of `step` and trains it, then this driver acks the step for all of
         them; None when the stream ended. The driver asks the scheduler for every DP rank's ShardRef in
         one call and hands each rank its own (TP peers share their DP rank's): one scheduler call per
         step for the whole group, whatever its size; the shards themselves go from the object store
-        straight to the ranks."""
+        straight to the ranks. `while_waiting` is called about every `_WAITING_SLICE_S` seconds until the
+        scheduler answers, on this thread, with every rank idle (the closed loop's `catch_up`)."""
         wait_s = shard_timeout_s if shard_timeout_s is not None else self.config.step_timeout_s
         waiting_since = time.perf_counter()
+        answer = scheduler.get_step.remote(step, timeout_s=wait_s)
+        deadline = time.monotonic() + wait_s + 30
+        if while_waiting is not None:
+            while not ray.wait([answer], timeout=_WAITING_SLICE_S)[0] and time.monotonic() < deadline:
+                while_waiting()
         try:
-            refs = ray.get(scheduler.get_step.remote(step, timeout_s=wait_s), timeout=wait_s + 30)
+            refs = ray.get(answer, timeout=max(deadline - time.monotonic(), 0))
         except ray.exceptions.RayTaskError as error:
             raise TrainStepError(f"step {step}: the scheduler has no shard for it: {error.cause!r}",
                                  FailureKind.NO_SHARD) from error
@@ -260,8 +267,10 @@ class TrainGroup:
 
 
 _ROOT_CAUSE_GRACE_S = 10.0
-_ACK_TIMEOUT_S = 30.0
 """After one rank raises, how long the others get to report that one of them died (the root cause)."""
+_ACK_TIMEOUT_S = 30.0
+_WAITING_SLICE_S = 0.5
+"""How often `train_step` calls its `while_waiting` while the scheduler forms the step (seconds)."""
 
 
 def _died(what: str, rank: int, error: BaseException, echo: tuple | None = None) -> TrainStepError:

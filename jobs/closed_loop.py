@@ -5,6 +5,7 @@
     loop.producers                     # (actor, run ref) pairs
     sync_s = loop.publish(group, v)    # after the v-th optimizer step: export once, engines load async
     loop.restore(group, k)             # after a recovery restored step k's weights: engines go back to v = k
+    loop.catch_up(group)               # while the trainer waits: a replaced engine gets v over a new channel
     loop.drain_sampled_reward()        # mean reward of the rollouts pushed since the last call
     loop.shutdown()                    # after the producers stopped
 
@@ -256,20 +257,29 @@ class ClosedLoop:
         return time.perf_counter() - started
 
     def replace_engine(self, index: int) -> int:
-        """Engine `index` (dead or hung) again, on its bundle, serving from the newest published version
-        (loaded from the object store before it serves; over a collective, the next publish reopens the
-        channel with it and sends it). Called by the engine watch; returns that version."""
+        """Engine `index` (dead or hung) again, on its bundle, serving from the newest published version:
+        loaded from the object store before it serves, or, over a collective, sent again over a channel
+        that includes it (`catch_up`, or the next publish). Called by the engine watch; returns that version."""
         with self._lock:
             version, published = self.policy_version, self.published
         collective = self.weight_sync.transport == "collective"
-        serves_from = version + 1 if collective else version  # over a collective: the next version sent
-        engine = self.engines.replace(index, serve_from_version=serves_from, weights=None if collective else published)
+        engine = self.engines.replace(index, serve_from_version=version, weights=None if collective else published)
         with self._lock:
             if collective:
                 self.channel_group = None
             elif self.published is not published:  # a publish went out while it started
                 engine.update_weights.remote(self.published.policy_version, self.published.ref)
-        return serves_from
+        return version
+
+    def catch_up(self, group) -> None:
+        """Over a collective, after an engine was replaced: send the newest version again, over a new channel
+        that includes the replacement. Called while the trainer waits for a step (its ranks idle, so they can
+        send): the next version needs that step, and the step may need the replacement's rollouts. Does
+        nothing otherwise (the object store transport loads a replacement by itself)."""
+        if self.engines is None or self.weight_sync.transport != "collective" or self.channel_group is group:
+            return
+        log.info("sending policy version %d again, to the replaced engine(s)", self.policy_version)
+        self.publish(group, self.policy_version)
 
     def failure(self) -> str | None:
         """Why the engines could not be kept (the engine watch's verdict), or None."""

@@ -302,7 +302,9 @@ class Job:
         run, controller, on_event = self.config.run, self.controller, self.on_event
         if on_event is not None:
             on_event("step_started", step, controller)
-        result = controller.group.train_step(step, self.scheduler, shard_timeout_s=run.shard_timeout_s)
+        group = controller.group
+        result = group.train_step(step, self.scheduler, shard_timeout_s=run.shard_timeout_s,
+                                  while_waiting=lambda: self.loop.catch_up(group))
         if result is None:
             return None
         record = ray.get(self.scheduler.step_record.remote(step), timeout=60)
