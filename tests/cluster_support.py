@@ -131,13 +131,14 @@ def token_auth_head(tmp_path: pathlib.Path):
         shutil.rmtree(ray_temp_dir, ignore_errors=True)
 
 
-def failed_tasks(address: str, token: str) -> list[tuple]:
-    """(function, error type) of every FAILED task the cluster's state API knows (`ray list tasks
-    --filter state=FAILED`)."""
-    code, body = http("GET", f"{address}/api/v0/tasks?filter_keys=state&filter_predicates=%3D&filter_values=FAILED",
-                      token=token)
+def failed_tasks(address: str, token: str) -> list[dict]:
+    """Every FAILED task the cluster's state API knows (`ray list tasks --filter state=FAILED`): its function,
+    error type and actor id (None for a task that is not an actor's)."""
+    code, body = http("GET", f"{address}/api/v0/tasks?filter_keys=state&filter_predicates=%3D&filter_values=FAILED"
+                             "&limit=10000", token=token)
     assert code == 200, body
-    return [(t["func_or_class_name"], t.get("error_type")) for t in json.loads(body)["data"]["result"]["result"]]
+    return [{"function": t["func_or_class_name"], "error_type": t.get("error_type"), "actor_id": t.get("actor_id")}
+            for t in json.loads(body)["data"]["result"]["result"]]
 
 
 def alive_actors(address: str, token: str) -> list[dict]:

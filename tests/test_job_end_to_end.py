@@ -1,26 +1,17 @@
-"""The job end to end: a local run with full and partial steps and a resume, and the README's
-cluster commands as a user types them (venv activated, token auth on, `ray job submit` of the
-closed-loop default with a bare `python` entrypoint) against a cluster this test starts (and
-stops) itself; that run must finish without a failed task. Slow: a minute or two each. Every Ray
-cluster here uses token auth (tests/conftest.py); none of them touches the user's
-~/.ray/auth_token."""
+"""The job end to end on the tests' Ray cluster: a local run (the synthetic preset) with full and partial
+steps, then a resume. Slow: a minute or so. The README's cluster commands (`ray start` with token auth,
+`ray job submit` of the closed-loop default) run in tests/test_chaos_job.py, which also kills one actor
+of each kind in that job."""
 
 from __future__ import annotations
 
-import collections
 import json
-import re
-import shlex
-import subprocess
-import time
 
 import pytest
 
-from jobs.job_config import load_job_config
 from jobs.progress import read_records
 from jobs.train import main
-from tests.cluster_support import (ROOT, failed_tasks, http, in_user_shell, job_logs, job_status, scrape, step_lines,
-                                   submit_job, token_auth_head)
+from tests.cluster_support import step_lines
 
 pytestmark = pytest.mark.slow
 
@@ -35,9 +26,6 @@ SMALL_RUN = [
     "closed_loop.agent_kwargs.max_delay_s=0.1", f"scheduler.batch.global_batch_size={GLOBAL_BATCH_SIZE}",
     "run.num_steps=20",
 ]
-
-
-CLUSTER_STEPS = 20  # the closed loop's steps on the README's cluster: long enough to scrape a step's gauge
 
 
 def job_options(output_dir, *extra) -> list[str]:
@@ -82,52 +70,3 @@ def test_local_job_trains_full_and_partial_steps_records_them_and_resumes(ray_se
     second = run_job(capsys, out, "run.resume=true", f"run.num_steps={len(records) + 2}")
     assert f"resumed from {out / 'checkpoints' / latest} at step {len(records)}" in second
     assert read_records(out / "steps.jsonl") == records
-
-
-def test_readme_cluster_commands_run_the_job_under_token_auth_and_refuse_a_client_without_the_token(tmp_path):
-    with token_auth_head(tmp_path) as (address, token, env, metrics_port, _):
-        # Without the token the job API answers 401, with a wrong one 403; nothing runs.
-        assert http("GET", address + "/api/version")[0] == 401
-        assert http("POST", address + "/api/jobs/", body={"entrypoint": "echo unauthenticated"})[0] == 401
-        assert http("POST", address + "/api/jobs/", token="0" * 64, body={"entrypoint": "echo forged"})[0] == 403
-        refused = subprocess.run(
-            in_user_shell(f"RAY_AUTH_MODE=disabled ray job submit --address {address} -- echo no-token"),
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-        )
-        assert refused.returncode != 0 and "Authentication required" in refused.stderr, refused.stderr[-3000:]
-        code, body = http("GET", address + "/api/jobs/", token=token)
-        assert code == 200 and json.loads(body) == [], body
-
-        # docs/cluster.md's `ray job submit` of the closed-loop default (engines, producers, train group),
-        # shortened, with --no-wait (the test polls).
-        job_args = shlex.join(f"--set={item}" for item in (f"run.output_dir={tmp_path / 'job-out'}", "run.plot=false",
-                                                           f"run.num_steps={CLUSTER_STEPS}", "run.ray_address=auto"))
-        submission_id = submit_job(address, env, f"python -m jobs.train {job_args}")
-
-        step_rollouts, finished_at, status = None, None, None
-        deadline = time.monotonic() + 600
-        # Scrape the node's metrics while the job runs (and briefly after: export is periodic).
-        while time.monotonic() < deadline:
-            status = job_status(address, token, submission_id)
-            found = re.search(r'^ray_vgbs_scheduler_step_rollouts\{[^}]*\} ([0-9.]+)', scrape(metrics_port), re.M)
-            if found:
-                step_rollouts = float(found.group(1))
-            if status in ("SUCCEEDED", "FAILED", "STOPPED"):
-                finished_at = finished_at or time.monotonic()
-                if step_rollouts is not None or time.monotonic() - finished_at > 20:
-                    break
-            time.sleep(1)
-        logs = job_logs(address, token, submission_id)
-        (tmp_path / "job.log").write_text(logs)  # kept for a failure's post-mortem
-        # The driver, the SchedulerActor, the engine, the producers and the TrainActors all ran under
-        # token auth: the job trained and finished.
-        assert status == "SUCCEEDED", logs[-3000:]
-        # The engines, scheduler and producers end gracefully (actors/shutdown.py): with `ray.kill` the
-        # tasks they finished in their last second would show as FAILED (WORKER_DIED).
-        assert failed_tasks(address, token) == []
-        assert len(step_lines(logs)) == CLUSTER_STEPS and "summary:" in logs
-        assert step_rollouts is not None and 1 <= step_rollouts <= load_job_config().scheduler.batch.global_batch_size
-        # Megatron's "Transformer Engine / Apex not installed" comes out at most once per process.
-        said = collections.Counter(re.search(r"pid=(\d+)", line).group(1) if "pid=" in line else "driver"
-                                   for line in logs.splitlines() if "not installed" in line)
-        assert max(said.values(), default=0) <= 1, said

@@ -1,7 +1,7 @@
 """cluster.yaml keeps Ray's token authentication on and the job API off the network.
 
 What a real `ray job submit` against a token-protected cluster does (401 without the token,
-the job runs with it) is tested end to end in tests/test_job_end_to_end.py; this file checks
+the job runs with it) is tested end to end in tests/test_chaos_job.py; this file checks
 the launcher config nothing here can start: each rule below, if broken, opens the cluster.
 """
 
