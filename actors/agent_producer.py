@@ -51,6 +51,7 @@ from actors.agent_endpoint import AgentEndpoint, listen_address
 from actors.engine_version_watch import EngineVersionWatch
 from actors.rollout_engine import EngineError
 from vgbs_ray.agents import RequestTooLongError, RolloutContext, SamplingConfig, load_agent, resolve, run_group
+from vgbs_ray.checkpoint_files import load_tokenizer
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.prompt_source import DatasetPrompts, GeneratedPrompts, producer_positions, source_length
 
@@ -255,11 +256,7 @@ class AgentProducer:
         self._index, self._config, self._scheduler, self._engines = index, config, scheduler, engines
         self._agent = load_agent(config.agent, config.agent_kwargs)
         self._source = prompts.build()
-        self._tokenizer = None
-        if config.tokenizer_dir is not None:
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_dir)
+        self._tokenizer = load_tokenizer(config.tokenizer_dir) if config.tokenizer_dir is not None else None
         self._sampling = config.sampling
         eos = getattr(self._tokenizer, "eos_token_id", None)
         if eos is not None and not self._sampling.stop_token_ids:  # the tokenizer's end of turn ends a reply

@@ -47,6 +47,27 @@ def tokenizer_size(directory: str | os.PathLike) -> int:
     return size
 
 
+def load_tokenizer(directory: str | os.PathLike):
+    """The directory's Hugging Face tokenizer, as `AutoTokenizer.from_pretrained` loads it. A tokenizer whose
+    `tokenizer_config.json` names `TokenizersBackend` (transformers 5's class over tokenizer.json, what
+    `save_pretrained` writes for a fast tokenizer), in a directory without a `config.json` (whose model type
+    could make AutoTokenizer pick another class), is loaded with that class directly: the same tokenizer,
+    without AutoTokenizer's imports, which pull in torch (~3 s of CPU in a process that needs no torch, such as
+    an agent producer)."""
+    config = os.path.join(directory, "tokenizer_config.json")
+    named = None
+    if os.path.isfile(config) and not os.path.isfile(os.path.join(directory, "config.json")):
+        with open(config) as handle:
+            named = json.load(handle).get("tokenizer_class")
+    if named == "TokenizersBackend":
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(directory)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)
+
+
 def copy_tokenizer(source: str | os.PathLike | None, destination: str | os.PathLike) -> list[str]:
     """Copy the tokenizer files `source` has into `destination`; returns their names (none when source is None)."""
     if source is None or os.path.abspath(source) == os.path.abspath(destination):
