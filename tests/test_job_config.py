@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -170,33 +171,36 @@ def test_the_tokenizer_size_read_without_transformers_is_transformers_count(tmp_
     assert tokenizer_size(tmp_path / "added") == tokenizer_size(tmp_path / "bpe") + 2
 
 
-def test_load_tokenizer_gives_what_auto_tokenizer_gives(tmp_path):
+@pytest.mark.parametrize("model_type", [None, "llama", "qwen2", "qwen3", "qwen3_moe"])
+def test_load_tokenizer_gives_what_auto_tokenizer_gives(tmp_path, model_type):
     """vgbs_ray.checkpoint_files.load_tokenizer takes a shortcut past AutoTokenizer for a TokenizersBackend
-    tokenizer without a model config: the same class and the same ids, chat rendering and special tokens, for
-    the digit tokenizer, a BPE one with a token added after training, and (AutoTokenizer's own path) a
-    directory with a config.json."""
+    tokenizer: the same class and the same ids, chat rendering and special tokens as AutoTokenizer, for the digit
+    tokenizer and a BPE one with a token added after training, alone or beside a model config of each family
+    (qwen2's is AutoTokenizer's own path: it picks Qwen2Tokenizer)."""
     from transformers import AutoTokenizer
 
     from tests.agent_support import bpe_chat_tokenizer
-    from vgbs_ray.checkpoint_files import load_tokenizer
+    from vgbs_ray.checkpoint_files import AUTO_TOKENIZER_KEEPS_BACKEND, load_tokenizer
 
     bpe = bpe_chat_tokenizer()
     bpe.add_tokens(["<tool_call>"], special_tokens=True)
     bpe.save_pretrained(tmp_path / "added")
-    bpe.save_pretrained(tmp_path / "with_model_config")
-    (tmp_path / "with_model_config" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    shutil.copytree(ROOT / "examples" / "digit_tokenizer", tmp_path / "digit")
     chat = [{"role": "user", "content": "what is 3 + 4?"}, {"role": "assistant", "content": "it is 7."},
             {"role": "user", "content": "3 4"}]
-    for directory in (ROOT / "examples" / "digit_tokenizer", tmp_path / "added", tmp_path / "with_model_config"):
+    text = "<tool_call> what is 12 + 9? 3 4"
+    for directory in (tmp_path / "digit", tmp_path / "added"):
+        if model_type is not None:
+            (directory / "config.json").write_text(json.dumps({"model_type": model_type}))
         loaded, reference = load_tokenizer(directory), AutoTokenizer.from_pretrained(directory)
         assert type(loaded) is type(reference), directory
+        assert (type(reference).__name__ == "TokenizersBackend") == (model_type in AUTO_TOKENIZER_KEEPS_BACKEND | {None})
         assert len(loaded) == len(reference) and loaded.all_special_ids == reference.all_special_ids
         assert loaded.eos_token_id == reference.eos_token_id and loaded.pad_token_id == reference.pad_token_id
         assert (loaded.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)["input_ids"]
                 == reference.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)["input_ids"])
-        text = "<tool_call> what is 12 + 9? 3 4"
-        assert loaded.encode(text) == reference.encode(text) and loaded.decode(loaded.encode(text)) == reference.decode(
-            reference.encode(text))
+        assert loaded.encode(text) == reference.encode(text)
+        assert loaded.decode(loaded.encode(text)) == reference.decode(reference.encode(text))
 
 
 def test_a_tokenizer_larger_than_the_models_vocabulary_fails_before_any_actor(monkeypatch):

@@ -47,25 +47,37 @@ def tokenizer_size(directory: str | os.PathLike) -> int:
     return size
 
 
+AUTO_TOKENIZER_KEEPS_BACKEND = frozenset({"llama", "qwen3", "qwen3_moe"})
+"""Model types for which transformers' AutoTokenizer (the pinned version) loads a tokenizer that names
+`TokenizersBackend` with that very class; for others, such as qwen2, it picks the model's own class."""
+
+
 def load_tokenizer(directory: str | os.PathLike):
-    """The directory's Hugging Face tokenizer, as `AutoTokenizer.from_pretrained` loads it. A tokenizer whose
+    """The directory's Hugging Face tokenizer, as `AutoTokenizer.from_pretrained` loads it. When its
     `tokenizer_config.json` names `TokenizersBackend` (transformers 5's class over tokenizer.json, what
-    `save_pretrained` writes for a fast tokenizer), in a directory without a `config.json` (whose model type
-    could make AutoTokenizer pick another class), is loaded with that class directly: the same tokenizer,
-    without AutoTokenizer's imports, which pull in torch (~3 s of CPU in a process that needs no torch, such as
-    an agent producer)."""
-    config = os.path.join(directory, "tokenizer_config.json")
-    named = None
-    if os.path.isfile(config) and not os.path.isfile(os.path.join(directory, "config.json")):
-        with open(config) as handle:
-            named = json.load(handle).get("tokenizer_class")
-    if named == "TokenizersBackend":
+    `save_pretrained` writes for a fast tokenizer) and the directory's `config.json`, if any, has a model type
+    in AUTO_TOKENIZER_KEEPS_BACKEND, the tokenizer is loaded with that class directly: the same tokenizer
+    (tests/test_job_config.py compares them), without AutoTokenizer's imports, which pull in torch (~3 s of CPU
+    in a process that needs none, such as an agent producer)."""
+    direct = _read_json(os.path.join(directory, "tokenizer_config.json")).get("tokenizer_class") == "TokenizersBackend"
+    model_config = os.path.join(directory, "config.json")
+    if direct and os.path.isfile(model_config):
+        direct = _read_json(model_config).get("model_type") in AUTO_TOKENIZER_KEEPS_BACKEND
+    if direct:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
         return TokenizersBackend.from_pretrained(directory)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(directory)
+
+
+def _read_json(path: str) -> dict:
+    """The file's JSON object; empty when there is no such file."""
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as handle:
+        return json.load(handle)
 
 
 def copy_tokenizer(source: str | os.PathLike | None, destination: str | os.PathLike) -> list[str]:
