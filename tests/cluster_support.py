@@ -132,13 +132,14 @@ def token_auth_head(tmp_path: pathlib.Path):
 
 
 def failed_tasks(address: str, token: str) -> list[dict]:
-    """Every FAILED task the cluster's state API knows (`ray list tasks --filter state=FAILED`): its function,
-    error type and actor id (None for a task that is not an actor's)."""
+    """Every FAILED task the cluster's state API knows (`ray list tasks --filter state=FAILED --detail`): its
+    function, error type, actor id (None for a task that is not an actor's) and when it was submitted
+    (`created_ms`, wall-clock milliseconds)."""
     code, body = http("GET", f"{address}/api/v0/tasks?filter_keys=state&filter_predicates=%3D&filter_values=FAILED"
-                             "&limit=10000", token=token)
+                             "&limit=10000&detail=1", token=token)
     assert code == 200, body
-    return [{"function": t["func_or_class_name"], "error_type": t.get("error_type"), "actor_id": t.get("actor_id")}
-            for t in json.loads(body)["data"]["result"]["result"]]
+    return [{"function": t["func_or_class_name"], "error_type": t.get("error_type"), "actor_id": t.get("actor_id"),
+             "created_ms": t.get("creation_time_ms")} for t in json.loads(body)["data"]["result"]["result"]]
 
 
 def alive_actors(address: str, token: str) -> list[dict]:
