@@ -134,7 +134,11 @@ def test_the_demo_job_survives_a_killed_engine_producer_scheduler_and_train_rank
     print("recoveries:", summary["recoveries"], summary["producers"]["restarts"],
           summary["closed_loop"]["engine_replacements"])
     # Each death recovered by the job itself, once.
-    assert [r["cause"] for r in summary["closed_loop"]["engine_replacements"]] == ["dead"]
+    (replacement,) = summary["closed_loop"]["engine_replacements"]
+    assert replacement["engine"] == "rollout-engine-0" and replacement["cause"] == "dead"
+    # It served from the newest version the engines had when it died, no older (the first kill came after
+    # kills[0]["at_step_record"] steps, each of which published a version).
+    assert replacement["serves_from_version"] >= kills[0]["at_step_record"]
     assert [r["producer"] for r in summary["producers"]["restarts"]] == [0]
     kinds = [r["kind"] for r in summary["recoveries"]]
     assert len(kinds) == 2 and kinds[0] == "scheduler_lost" and kinds[1] != "scheduler_lost", kinds
