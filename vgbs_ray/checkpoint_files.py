@@ -39,12 +39,8 @@ def tokenizer_size(directory: str | os.PathLike) -> int:
     from tokenizers import Tokenizer
 
     size = Tokenizer.from_file(fast).get_vocab_size(with_added_tokens=True)
-    config = os.path.join(directory, "tokenizer_config.json")
-    if os.path.isfile(config):
-        with open(config) as handle:
-            added = json.load(handle).get("added_tokens_decoder") or {}
-        size = max([size, *(int(token_id) + 1 for token_id in added)])
-    return size
+    added = _read_json(os.path.join(directory, "tokenizer_config.json")).get("added_tokens_decoder") or {}
+    return max([size, *(int(token_id) + 1 for token_id in added)])
 
 
 AUTO_TOKENIZER_KEEPS_BACKEND = frozenset({"llama", "qwen3", "qwen3_moe"})
