@@ -25,6 +25,7 @@ so their loss and gradient are exactly zero.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -33,13 +34,19 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from actors.model import (build_gpt_model, is_expert_parameter, named_parameters_global, packed_seq_params,
                           with_other_experts)
 from actors.train_config import TrainGroupConfig
+from vgbs_ray.errors import VgbsError
 from vgbs_ray.hf_mapping import gather_tp_shards, split_tp_shard
 from vgbs_ray.microbatch import PackedMicroBatch
+
+
+class NonFiniteLossError(VgbsError, FloatingPointError):
+    """A step's loss or gradients were not finite; the update was refused, the weights are those before it."""
 
 
 def padding_micro_batch() -> PackedMicroBatch:
@@ -51,7 +58,8 @@ def padding_micro_batch() -> PackedMicroBatch:
         positions=empty_i.numpy(), tokens=one, position_ids=one.clone(), targets=one.clone(),
         cu_seqlens=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1, response_logit_index=empty_i,
         response_lengths=empty_i, loss_weight=empty_f, advantages=empty_f, rewards=empty_f,
-        rollout_mask_sums=empty_i, old_log_probs=empty_f,
+        rollout_mask_sums=empty_i, old_log_probs=empty_f, rollout_indices=empty_i, sample_mask_sums=empty_i,
+        group_mask_sums=empty_i, step_totals=None,
     )
 
 
@@ -136,12 +144,29 @@ class MegatronStep:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def optimizer_step(self, lr: float) -> float:
-        """Clip and step with `lr`; returns the global grad norm (over the whole model-parallel group)."""
+    def optimizer_step(self, lr: float, refusal: str = "") -> float:
+        """Clip and step with `lr`; returns the global grad norm (over the whole model-parallel group).
+
+        Megatron's own `step()` in its parts (ChainedOptimizer's order: prepare, one norm, clip each part
+        by it, step), so the norm can be checked between them at no extra collective: a non-finite norm
+        refuses the update on every rank alike (DP ranks hold the same reduced gradients, and the norm is
+        all-reduced over the model-parallel group), the gradients are zeroed, no weight changes, and
+        `NonFiniteLossError` names `refusal`'s cause.
+        """
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        _, grad_norm, _ = self.optimizer.step()
-        return float(grad_norm or 0.0)
+        self.optimizer.prepare_grads()  # bf16 or fp32 here: no fp16 grad scaler, so no overflow to skip
+        norm = float(self.optimizer.get_grad_norm())
+        if not math.isfinite(norm):
+            self.zero_grads()
+            raise NonFiniteLossError(f"the update was refused (gradient norm {norm}): {refusal}")
+        for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            parameters = [] if getattr(part, "is_stub_optimizer", False) else part.get_parameters()
+            if parameters and part.config.clip_grad > 0.0:
+                clip_grad_by_total_norm_fp32(parameters, max_norm=part.config.clip_grad, total_norm=norm,
+                                             use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        self.optimizer.step_with_ready_grads()
+        return norm
 
     # -- parameters by global name --------------------------------------------------------
 

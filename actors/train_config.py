@@ -14,6 +14,8 @@ from vgbs_ray.errors import ConfigError
 from vgbs_ray.lr_schedule import LRScheduleConfig
 from vgbs_ray.metrics import MetricPairs
 from vgbs_ray.model_families import RopeScaling, WeightLayout, get_family
+from vgbs_ray.losses.api import AGGREGATIONS
+from vgbs_ray.losses.config import CorrectionConfig, check_policy_name
 from vgbs_ray.off_policy import OffPolicyConfig
 
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
@@ -132,27 +134,35 @@ class OptimizerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LossConfig:
-    """The policy loss of a train step.
+    """The policy loss of a train step (YAML `train.loss.*`; docs/losses.md).
 
-    `off_policy` is the one source of truth for staleness and its correction: the trainer's loss
-    reads `off_policy.policy_loss` / `clip_eps` / `is_weight_cap`, and the job configures the
-    scheduler and producers from `off_policy.max_staleness` (YAML `train.loss.off_policy.*`).
+    `policy` names a built-in loss or a user's factory by import path, called with `policy_kwargs`
+    (`vgbs_ray.losses`: the API and the built-ins); `aggregation` and `correction` refine it.
+    `off_policy.max_staleness` is the one staleness bound: the scheduler and producers read it, and
+    `build()` refuses a loss without an off-policy correction above 0 unless allowed.
 
     Old / proximal log-probs (no flag: one train step is one optimizer update, so the step's own
-    forward pass runs on the step-start weights):
-      ppo            clips against the shard's behaviour log-probs (`rollout_log_probs`); a shard
-                     without them clips against the step-start policy, recomputed by a
-                     `forward_only` pass before the update.
-      decoupled_ppo  clips against the step-start (proximal) policy = the detached log-probs of
-                     the loss's own forward pass, and weights by pi_prox / pi_behave; a shard
-                     without behaviour log-probs is refused.
-    (This replaces `recompute_old_log_probs`: clipping against the step-start policy while the
-    shard carries behaviour log-probs is what decoupled_ppo does, with the importance weight.)
+    forward pass runs on the step-start weights): a loss anchored on the behaviour policy clips against
+    the shard's `rollout_log_probs` (a shard without them: the step-start policy, recomputed by a
+    `forward_only` pass before the update); one anchored on the proximal policy clips against the
+    detached log-probs of the loss's own forward pass.
     """
 
+    policy: str = "ppo"
+    """A built-in (ppo, decoupled_ppo, gspo, cispo, dr_grpo, dapo) or a factory 'module.path:make_loss'
+    returning a vgbs_ray.losses.PolicyLoss; ship its module like an agent's."""
+    policy_kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of the loss factory (e.g. clip_eps, is_weight_cap, level for gspo)."""
+    aggregation: str | None = None
+    """How token terms become the step loss: rollout_token_mean, sample_token_mean, step_token_mean,
+    prompt_token_mean or rollout_token_sum (with constant_tokens); null = the loss's own."""
+    constant_tokens: int | None = None
+    """rollout_token_sum's divisor of each rollout's token sum; null = the loss's own."""
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    """Importance correction for the engine/trainer mismatch: kind none / tis / mis / icepop, level
+    token / rollout, low, high (vgbs_ray/losses/config.py)."""
     off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
-    """Staleness bound and policy loss: max_staleness, policy_loss ('ppo' / 'decoupled_ppo'),
-    clip_eps, is_weight_cap, allow_uncorrected_staleness (see vgbs_ray/off_policy.py)."""
+    """Staleness bound: max_staleness, allow_uncorrected_staleness (see vgbs_ray/off_policy.py)."""
     legacy_max_tokens_per_microbatch: int = 1024
     """Legacy path only (a shard without a layout): the token cap a rank packs its own samples under."""
 
@@ -160,9 +170,28 @@ class LossConfig:
         if not isinstance(self.off_policy, OffPolicyConfig):
             raise ConfigError(f"LossConfig.off_policy must be an OffPolicyConfig, got {type(self.off_policy).__name__} "
                               "(YAML: a mapping under train.loss.off_policy)")
+        if not isinstance(self.correction, CorrectionConfig):
+            raise ConfigError(f"LossConfig.correction must be a CorrectionConfig, got {type(self.correction).__name__} "
+                              "(YAML: a mapping under train.loss.correction)")
+        check_policy_name(self.policy)
+        if not isinstance(self.policy_kwargs, dict):
+            raise ConfigError(f"train.loss.policy_kwargs must be a mapping, got {self.policy_kwargs!r}")
+        if self.aggregation is not None and self.aggregation not in AGGREGATIONS:
+            raise ConfigError(f"train.loss.aggregation={self.aggregation!r} is unknown; pick one of {AGGREGATIONS}")
         if self.legacy_max_tokens_per_microbatch <= 0:
             raise ConfigError("LossConfig.legacy_max_tokens_per_microbatch must be positive, "
                               f"got {self.legacy_max_tokens_per_microbatch}")
+
+    def build(self):
+        """The `vgbs_ray.losses.loading.ResolvedLoss` this config names (imports the loss, so torch): refuses
+        an unresolvable path, a kwarg the factory does not take, a loss whose output is unusable, and
+        staleness without a correction, each naming the loss and the key."""
+        from vgbs_ray.losses.loading import build_loss
+
+        return build_loss(self.policy, self.policy_kwargs, aggregation=self.aggregation,
+                          constant_tokens=self.constant_tokens, correction=self.correction,
+                          max_staleness=self.off_policy.max_staleness,
+                          allow_uncorrected_staleness=self.off_policy.allow_uncorrected_staleness)
 
 
 @dataclass(frozen=True, kw_only=True)

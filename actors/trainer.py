@@ -75,6 +75,7 @@ class RankTrainer:
         self.optimizer = self.megatron.optimizer
         self.device = self.megatron.device  # collective buffers live where the backend wants them
         self.consumed_rollouts = 0
+        self.loss = config.loss.build()
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -96,12 +97,21 @@ class RankTrainer:
             micro_batches = [split_for_context_parallel(mb, self.info.cp_rank, self.config.cp_size)
                              for mb in micro_batches]
         behaviour = None if shard.rollout_log_probs is None else [mb.old_log_probs for mb in micro_batches]
-        # ppo without behaviour log-probs clips against the step-start policy, recomputed here
-        # (an empty shard has only padding micro-batches: nothing to compare).
-        step_start = self.step_start_log_probs(micro_batches) if behaviour is None and shard.num_samples else None
-        self.consumed_rollouts += shard.num_rollouts
-        lr = lr_at(self.config.optimizer.lr_schedule, self.consumed_rollouts)
-        local, grad_norm = self._step(micro_batches, behaviour, shard.num_rollouts, lr, step_start=step_start)
+        # Without behaviour log-probs the loss compares against the step-start policy, recomputed here
+        # (an empty shard has only padding micro-batches: nothing to compare). With them, a loss that
+        # needs each rollout's log-ratio over all its samples gets it from the same kind of pre-pass.
+        step_start, sequence_log_ratios = None, None
+        if shard.num_samples and behaviour is None:
+            step_start = self.step_start_log_probs(micro_batches)
+        elif behaviour is not None and (self.loss.needs_rollout_log_ratio
+                                             or (self.config.cp_size > 1 and self.loss.needs_sample_log_ratio)):
+            sequence_log_ratios = self.sequence_log_ratios(
+                micro_batches, behaviour, self.step_start_log_probs(micro_batches), shard.num_rollouts)
+        consumed = self.consumed_rollouts + shard.num_rollouts
+        lr = lr_at(self.config.optimizer.lr_schedule, consumed)
+        local, grad_norm = self._step(micro_batches, behaviour, lr, step_start=step_start,
+                                      sequence_log_ratios=sequence_log_ratios, step=shard.step)
+        self.consumed_rollouts = consumed  # a refused step (NonFiniteLossError) consumed nothing
         if self.config.cp_size > 1:
             local = self._sum_over_context_parallel(local)
         return RankStepResult(
@@ -158,18 +168,61 @@ class RankTrainer:
         return {name: (total, count) for name, (total, count) in zip(names, values.view(-1, 2).cpu().tolist())}
 
     def _check_behaviour_log_probs(self, shard: StepShard) -> None:
-        """decoupled_ppo cannot do without behaviour log-probs: a shard with samples but no
+        """A loss (or correction) that cannot do without behaviour log-probs: a shard with samples but no
         `rollout_log_probs` is refused here, on every rank, before the step's first collective
         (a failure inside the schedule would leave pipeline and DP peers waiting for a message)."""
         if shard.rollout_log_probs is not None or not shard.num_samples:
             return
-        if self.config.loss.off_policy.needs_behaviour_log_probs:
+        if self.loss.needs_behaviour_log_probs:
             rollouts = list(dict.fromkeys(shard.rollout_ids))
             raise ValueError(
-                f"policy_loss='decoupled_ppo' needs behaviour log-probs (the samples' rollout_log_probs) for "
-                f"step {shard.step}, dp rank {shard.rank}: shard positions 0..{shard.num_samples - 1} "
-                f"(rollouts {rollouts[:5]}{' ...' if len(rollouts) > 5 else ''}) lack them; producers must "
-                "send rollout_log_probs with every sample, or set train.loss.off_policy.policy_loss=ppo")
+                f"policy loss {self.loss.name!r} (correction {self.loss.correction.kind!r}) needs behaviour log-probs "
+                f"(the samples' rollout_log_probs) for step {shard.step}, dp rank {shard.rank}: shard positions "
+                f"0..{shard.num_samples - 1} (rollouts {rollouts[:5]}{' ...' if len(rollouts) > 5 else ''}) lack "
+                "them; producers must send rollout_log_probs with every sample, or set train.loss.policy=ppo")
+
+    def sequence_log_ratios(self, micro_batches: list[PackedMicroBatch], behaviour: list[torch.Tensor],
+                            step_start: list[torch.Tensor | None], num_rollouts: int) -> list[tuple | None]:
+        """Per micro-batch, (rollout_log_ratio, sample_log_ratio) per token: the mean of log pi_prox - log pi_behave
+        over every trained token of the token's whole rollout / sample, wherever its other tokens train.
+
+        A two-phase reduction: each last-stage rank sums (log-ratio, tokens) per step rollout index over its
+        micro-batches (the pre-pass's step-start log-probs), then one all-reduce SUM over the DP and CP ranks
+        makes every rollout's totals whole (a sample is split only over CP ranks: one SUM there). Other
+        pipeline stages compute no loss: None there.
+        """
+        if not self.info.is_last_stage:
+            return [None] * len(micro_batches)
+        rollout_sums = torch.zeros(num_rollouts, 2, dtype=torch.float64, device=self.device)
+        sample_sums, per_micro_batch = [], []
+        for mb, start, old in zip(micro_batches, step_start, behaviour):
+            if mb.num_samples == 0:
+                per_micro_batch.append(None)
+                continue
+            weight = mb.loss_weight.to(self.device, torch.float64)
+            mismatch = (start.to(self.device, torch.float64) - old.to(self.device, torch.float64)) * weight
+            sample_of_token = torch.repeat_interleave(torch.arange(mb.num_samples, device=self.device),
+                                                      mb.response_lengths.to(self.device))
+            rollout_of_token = mb.rollout_indices.to(self.device)[sample_of_token]
+            rollout_sums.index_add_(0, rollout_of_token, torch.stack([mismatch, weight], dim=1))
+            sums = torch.zeros(mb.num_samples, 2, dtype=torch.float64, device=self.device)
+            sample_sums.append(sums.index_add_(0, sample_of_token, torch.stack([mismatch, weight], dim=1)))
+            per_micro_batch.append((rollout_of_token, sample_of_token, len(sample_sums) - 1))
+        dist.all_reduce(rollout_sums, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        if self.config.cp_size > 1 and sample_sums:
+            joined = torch.cat(sample_sums)
+            dist.all_reduce(joined, group=parallel_state.get_context_parallel_group())
+            sample_sums = list(joined.split([len(sums) for sums in sample_sums]))
+        rollout_means = rollout_sums[:, 0] / rollout_sums[:, 1].clamp(min=1)
+        result = []
+        for entry in per_micro_batch:
+            if entry is None:
+                result.append(None)
+                continue
+            rollout_of_token, sample_of_token, k = entry
+            sample_means = sample_sums[k][:, 0] / sample_sums[k][:, 1].clamp(min=1)
+            result.append((rollout_means[rollout_of_token].float().cpu(), sample_means[sample_of_token].float().cpu()))
+        return result
 
     def step_start_log_probs(self, micro_batches: list[PackedMicroBatch]) -> list[torch.Tensor | None]:
         """Per micro-batch, the response log-probs under the current weights, from a separate
@@ -189,19 +242,24 @@ class RankTrainer:
             self.megatron.run(micro_batches, keep, forward_only=True)
         return result
 
-    def _step(self, micro_batches, behaviour, num_rollouts: int, lr: float, *,
-              step_start: list[torch.Tensor | None] | None = None) -> tuple[MetricPairs, float]:
+    def _step(self, micro_batches, behaviour, lr: float, *, step_start: list[torch.Tensor | None] | None = None,
+              sequence_log_ratios: list[tuple | None] | None = None, step: int = -1) -> tuple[MetricPairs, float]:
         """One optimizer update over `micro_batches`; the loss compares against `behaviour` (per
         micro-batch, or None) and the proximal policy: `step_start` when given (a separate
         forward pass before the update), else the detached log-probs of this very forward pass,
         which runs on the step-start weights (the update comes after every micro-batch's backward).
+        `sequence_log_ratios`: per micro-batch, the pre-pass's (rollout, sample) log-ratios, or None.
+
+        A non-finite loss is carried into the gradients (made NaN where its own are finite): the gradient
+        norm, all-reduced over every rank, then carries it to all of them, and `MegatronStep.optimizer_step`
+        refuses the update on every rank alike (no weight is written); the error names the micro-batches
+        whose loss it was. No extra collective.
         """
         # Megatron divides each micro-batch's loss by their count and DDP scales gradients by
         # 1 / dp before its SUM (module docstring of megatron_step): multiply both back, so the
         # reduced gradient is the mean over the step's rollouts whatever dp, split or packing.
         factor = undo_averaging_factor(dp_size=self.dp_size, num_microbatches=len(micro_batches),
                                        grads_averaged_over_dp=True, loss_averaged_over_microbatches=True)
-        off_policy = self.config.loss.off_policy
         parts: list[MetricPairs] = []
 
         def loss(index, logits):
@@ -210,15 +268,26 @@ class RankTrainer:
                 return logits.sum() * 0.0  # a padding micro-batch: zero loss, zero gradient
             log_probs = self.megatron.response_log_probs(logits, mb)
             proximal = log_probs.detach() if step_start is None else step_start[index]
-            value, pairs = micro_batch_loss(off_policy, log_probs, mb, num_rollouts=num_rollouts,
+            ratios = None if sequence_log_ratios is None else sequence_log_ratios[index]
+            value, pairs = micro_batch_loss(self.loss, log_probs, mb,
                                             behaviour_log_probs=None if behaviour is None else behaviour[index],
-                                            proximal_log_probs=proximal)
+                                            proximal_log_probs=proximal,
+                                            rollout_log_ratio=None if ratios is None else ratios[0],
+                                            sample_log_ratio=None if ratios is None else ratios[1])
+            if not bool(torch.isfinite(value)):
+                non_finite.append(f"micro-batch {index} (shard positions {mb.positions.tolist()[:8]})")
+                # a non-finite value can have finite gradients (a NaN constant): make them NaN too, so the
+                # gradient norm, which every rank computes over the reduced gradients, refuses the update
+                value = value + logits.sum() * float("nan")
             parts.append(pairs)
             return value * factor
 
+        non_finite: list[str] = []
         self.megatron.zero_grads()
         self.megatron.run(micro_batches, loss, forward_only=False)
-        grad_norm = self.megatron.optimizer_step(lr)
+        grad_norm = self.megatron.optimizer_step(
+            lr, refusal=f"step {step}, dp rank {self.info.dp_rank}: policy loss {self.loss.name!r} "
+                        + (f"was not finite in {', '.join(non_finite)}" if non_finite else "was finite on this rank"))
         return reduce_metric_pairs(parts), grad_norm
 
     # -- state --------------------------------------------------------------------------

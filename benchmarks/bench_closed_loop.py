@@ -57,7 +57,7 @@ def run(max_staleness: int, steps: int, warm_up: int) -> dict:
     config = load_job_config(None, [
         f"run.output_dir={out}", f"run.num_steps={steps}", "run.plot=false",
         f"train.loss.off_policy.max_staleness={max_staleness}",
-        f"train.loss.off_policy.policy_loss={LOSS.get(max_staleness, 'decoupled_ppo')}"])
+        f"train.loss.policy={LOSS.get(max_staleness, 'decoupled_ppo')}"])
     ended_at, prefetched, at_warm_up = {}, [], {}
 
     def on_event(event, step, controller):

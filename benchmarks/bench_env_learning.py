@@ -1,6 +1,7 @@
 """How fast a from-scratch tiny Llama learns the digit task by GRPO: the margin a learning test needs.
 
     .venv/bin/python benchmarks/bench_env_learning.py [--quick] [--seeds 0 1 2 3 4]
+    .venv/bin/python benchmarks/bench_env_learning.py --losses [ppo gspo ...]   # the policy losses side by side
 
 Pure torch on one thread, no Ray, no Megatron, no vLLM, but the project's own data path:
 the multi-turn environment (`vgbs_ray.envs`) makes the samples (one per turn, so rollouts
@@ -12,7 +13,9 @@ step, like the trainer.
 
 Staleness is emulated at its worst: with staleness s, every rollout of step k is sampled by
 the weights of version k - s (a snapshot), and the loss is decoupled PPO (proximal = the
-weights at step start, truncated importance weights); s = 0 is on-policy PPO.
+weights at step start, truncated importance weights); s = 0 is on-policy PPO. With --losses, each
+named loss at staleness 0 and 2 (a loss without its own correction gets TIS against the proximal
+policy when stale).
 
 Printed per configuration, side by side over seeds: steps until the mean reward over the
 last 10 steps first reaches 0.8, the mean reward of the first 10 steps (chance), the last
@@ -39,7 +42,8 @@ from vgbs_ray.advantages import group_advantages, is_uniform_group
 from vgbs_ray.envs.digits import PAD, VOCAB_SIZE, DigitTaskConfig, PromptCursor, PromptGenerator
 from vgbs_ray.envs.episode import EpisodeGroup
 from vgbs_ray.microbatch import pack_micro_batch
-from vgbs_ray.off_policy import OffPolicyConfig
+from vgbs_ray.losses import CorrectionConfig
+from vgbs_ray.losses.loading import ResolvedLoss, build_loss
 from vgbs_ray.policy_loss import micro_batch_loss
 from vgbs_ray.sample import Sample, validate_rollout
 from vgbs_ray.shard import build_legacy_shards
@@ -50,6 +54,10 @@ CLIP_GRAD_NORM = 1.0  # the trainer's default (OptimizerConfig.clip_grad_norm)
 GROUP_SIZE = 8
 TARGET_REWARD, WINDOW_STEPS = 0.8, 10
 MAX_STEPS = 300
+LOSSES = ("ppo", "decoupled_ppo", "gspo", "cispo", "dr_grpo")
+"""--losses: the policy losses compared (docs/losses.md), each at staleness 0 and 2."""
+LOSS_KWARGS = {"dr_grpo": {"max_response_tokens": 2}}
+"""The digit task's answers are 1-2 tokens per turn: Dr. GRPO's constant is that budget."""
 
 # (label, task rule, prompts per step, staleness); gbs = prompts x GROUP_SIZE rollouts before the filter.
 CONFIGS = [
@@ -153,12 +161,26 @@ class RunResult:
     trained_rollouts: int
 
 
-def run(rule: str, prompts_per_step: int, staleness: int, seed: int, max_steps: int, lr: float = LR) -> RunResult:
+def loss_for(name: str | None, staleness: int) -> ResolvedLoss:
+    """The loss a configuration trains with: decoupled PPO when stale and ppo on-policy unless named; a named
+    loss without its own correction gets TIS against the proximal policy when stale (no uncorrected runs)."""
+    if name is None:
+        name = "decoupled_ppo" if staleness else "ppo"
+    kwargs = dict(LOSS_KWARGS.get(name, {}))
+    correction = CorrectionConfig()
+    if staleness and name in ("ppo", "gspo", "dr_grpo", "dapo"):
+        kwargs["anchor"] = "proximal"
+        correction = CorrectionConfig(kind="tis", high=2.0)
+    return build_loss(name, kwargs, correction=correction, max_staleness=staleness)
+
+
+def run(rule: str, prompts_per_step: int, staleness: int, seed: int, max_steps: int, lr: float = LR,
+        loss_name: str | None = None) -> RunResult:
     torch.manual_seed(seed)
     task = DigitTaskConfig(rule=rule)
     model = TinyLlama(task.max_sequence_length)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    loss_config = OffPolicyConfig(max_staleness=staleness, policy_loss="decoupled_ppo" if staleness else "ppo")
+    policy_loss = loss_for(loss_name, staleness)
     prompts = PromptGenerator(task, PromptCursor(seed=seed))
     generator = torch.Generator().manual_seed(seed)
     snapshots = collections.deque([copy.deepcopy(model)], maxlen=staleness + 1)  # versions k - s .. k
@@ -183,11 +205,10 @@ def run(rule: str, prompts_per_step: int, staleness: int, seed: int, max_steps: 
         if samples:
             shard = build_legacy_shards(samples, step, dp_size=1)[0]
             micro_batch = pack_micro_batch(shard, range(shard.num_samples))
-            with torch.no_grad():
-                proximal = response_log_probs(model, shard) if loss_config.needs_proximal_log_probs else None
-            loss, _ = micro_batch_loss(loss_config, response_log_probs(model, shard), micro_batch,
-                                       num_rollouts=shard.num_rollouts, behaviour_log_probs=micro_batch.old_log_probs,
-                                       proximal_log_probs=proximal)
+            # One update per step: the proximal policy is this forward's own, detached (micro_batch_loss's default);
+            # the micro-batch holds every rollout whole, so GSPO's rollout log-ratio is formed in it.
+            loss, _ = micro_batch_loss(policy_loss, response_log_probs(model, shard), micro_batch,
+                                       behaviour_log_probs=micro_batch.old_log_probs)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD_NORM)
@@ -208,9 +229,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two seeds, the first two configurations")
     parser.add_argument("--lr", type=float, default=LR)
     parser.add_argument("--only", default="", help="run only configurations whose label contains this")
+    parser.add_argument("--losses", nargs="*", default=None,
+                        help=f"compare policy losses instead (default {' '.join(LOSSES)}) at staleness 0 and 2, "
+                             "8 prompts of the successor rule")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    configs = [c for c in (CONFIGS[:2] if args.quick else CONFIGS) if args.only in c[0]]
+    configs = [(label, rule, prompts, staleness, None) for label, rule, prompts, staleness in CONFIGS]
+    configs = [c for c in (configs[:2] if args.quick else configs) if args.only in c[0]]
+    if args.losses is not None:
+        configs = [(f"{name}, stale {staleness}", "successor_of_last", 8, staleness, name)
+                   for name in (args.losses or LOSSES) for staleness in (0, 2)]
     seeds = args.seeds[:2] if args.quick else args.seeds
     task = DigitTaskConfig()
     print(f"digit task: vocab {VOCAB_SIZE}, max sequence {task.max_sequence_length} tokens, turn rewards "
@@ -218,8 +246,8 @@ def main() -> None:
           f"Adam {args.lr}, clip {CLIP_GRAD_NORM}; groups of {GROUP_SIZE}; target: mean reward >= {TARGET_REWARD} over {WINDOW_STEPS} steps")
     print(f"{'configuration':36} {'steps to target per seed':>30} {'median':>7} {'first10':>8} {'last10':>7} "
           f"{'rollouts':>9} {'s/run':>6}")
-    for label, rule, prompts, staleness in configs:
-        results = [run(rule, prompts, staleness, seed, args.max_steps, args.lr) for seed in seeds]
+    for label, rule, prompts, staleness, loss_name in configs:
+        results = [run(rule, prompts, staleness, seed, args.max_steps, args.lr, loss_name) for seed in seeds]
         steps = [r.steps_to_target for r in results]
         shown = " ".join(str(s) if s is not None else f">{args.max_steps}" for s in steps)
         median = statistics.median(s if s is not None else math.inf for s in steps)

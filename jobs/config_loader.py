@@ -1,7 +1,8 @@
 """Build nested frozen-dataclass configs from YAML mappings plus `section.key=value` overrides.
 
 The configs themselves (vgbs_ray.config, actors.*) validate their values; this module only
-maps keys onto fields, and fails on a key no config has, naming it and the valid keys.
+maps keys onto fields, and fails on a key no config has, naming it and the valid keys (or, for a
+key that moved, where it lives now: a config class's `moved_keys`).
 A string literal right under a field (torchtitan style) is that field's help text.
 """
 
@@ -40,6 +41,9 @@ def config_from_mapping(cls: type, mapping: Mapping[str, Any] | None, where: str
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(mapping) - set(fields))
+    moved = {key: getattr(cls, "moved_keys", {})[key] for key in unknown if key in getattr(cls, "moved_keys", {})}
+    if moved:
+        raise ConfigError("; ".join(f"config key '{where}{key}' moved: set {new}" for key, new in moved.items()))
     if unknown:
         raise ConfigError(
             f"unknown config key(s) {[where + k for k in unknown]}; valid keys under "

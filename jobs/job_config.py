@@ -238,7 +238,7 @@ def _default_scheduler() -> SchedulerConfig:
 
 def _default_train() -> TrainGroupConfig:
     # Rollouts up to one policy version old, with decoupled PPO's correction (the closed loop's default).
-    loss = LossConfig(off_policy=OffPolicyConfig(max_staleness=1, policy_loss="decoupled_ppo"))
+    loss = LossConfig(policy="decoupled_ppo", off_policy=OffPolicyConfig(max_staleness=1))
     # The tiny Llama with the digit agent's vocabulary; Adam 1e-3 (measured: benchmarks/bench_env_learning.py).
     return TrainGroupConfig(dp_size=2, model=ModelConfig(vocab_size=DIGIT_VOCAB_SIZE), loss=loss,
                             optimizer=OptimizerConfig(lr_schedule=LRScheduleConfig(lr=1e-3)))
@@ -323,7 +323,7 @@ def synthetic_preset() -> JobConfig:
         run=RunConfig(num_steps=8, checkpoint_every=2), closed_loop=closed_loop,
         scheduler=replace(scheduler, batch=replace(scheduler.batch, global_batch_size=8)),
         train=replace(train, model=ModelConfig(), optimizer=OptimizerConfig(),
-                      loss=replace(train.loss, off_policy=OffPolicyConfig(max_staleness=0, policy_loss="ppo"))))
+                      loss=replace(train.loss, policy="ppo", off_policy=OffPolicyConfig(max_staleness=0))))
 
 
 PRESETS = {"closed_loop": closed_loop_preset, "synthetic": synthetic_preset}
@@ -335,13 +335,17 @@ DEFAULT_PRESET = "closed_loop"
 def load_job_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = (),
                     preset: str | None = None) -> JobConfig:
     """JobConfig from a preset (`preset`, else the YAML file's top-level `preset:` or a `preset=NAME`
-    override, else the closed loop) with the YAML file's keys and `section.key=value` overrides on top."""
+    override, else the closed loop) with the YAML file's keys and `section.key=value` overrides on top.
+    The policy loss is built once here (`LossConfig.build`, which imports torch), so a loss that cannot
+    run is refused with the config, before Ray."""
     mapping = apply_overrides(load_yaml(path), list(overrides))
     named = mapping.pop("preset", None)
     name = preset or named or DEFAULT_PRESET
     if name not in PRESETS:
         raise ConfigError(f"preset {name!r} is unknown; pick one of {sorted(PRESETS)}")
-    return config_from_mapping(JobConfig, _with_checkpoint_model(mapping), base=PRESETS[name]())
+    config = config_from_mapping(JobConfig, _with_checkpoint_model(mapping), base=PRESETS[name]())
+    config.train.loss.build()
+    return config
 
 
 def _with_checkpoint_model(mapping: dict) -> dict:

@@ -35,7 +35,8 @@ class MetricName:
     ray: bool = False
     """Exported by the driver as a Ray gauge of the last trained step (jobs/job_metrics.py)."""
     source: str = "step"
-    """"step": one trained step's line; "counter": cumulative, sampled at each checkpoint."""
+    """"step": one trained step's line; "loss": one of the line's `loss_metrics`, by name; "counter": cumulative,
+    sampled at each checkpoint."""
 
     @property
     def ray_name(self) -> str:
@@ -70,6 +71,10 @@ VOCABULARY: tuple[MetricName, ...] = (
     MetricName("staleness/max", "versions", "largest staleness in the step", "staleness_max", ray=True),
     MetricName("logprob/mismatch", "nats/token", "closed loop: mean |trainer - engine| log-prob per response token",
                "log_prob_mismatch", ray=True),
+    MetricName("loss/<metric>", "per trained token", "the policy loss's own metrics and its correction's, each a mean "
+               "over the step's trained tokens: clip_fraction, ratio, approx_kl, is_weight, is_truncated, "
+               "sequence_ratio, correction_weight, correction_truncated / correction_masked (docs/losses.md)",
+               "loss_metrics", source="loss"),
     MetricName("time/step_s", "s", "the slowest rank's train time of the step (shard wait excluded)", "step_time_s"),
     MetricName("time/weight_sync_s", "s", "closed loop: trainer-side seconds to publish the step's weights",
                "weight_sync_s", ray=True),
@@ -114,6 +119,9 @@ def step_values(line) -> dict[str, float]:
         value = float(value)
         if value == value:
             values[metric.name] = value
+    for name, value in (getattr(line, "loss_metrics", None) or {}).items():
+        if value == value:
+            values[f"loss/{name}"] = float(value)
     return values
 
 

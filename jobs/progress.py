@@ -43,6 +43,9 @@ class StepLine:
     """Closed loop: the slowest engine's load time of the newest version whose load had finished by now."""
     engine_idle_share: float | None = None
     """Closed loop: share of the engines' time since start with no request (read every 10 steps, else None)."""
+    loss_metrics: dict[str, float] | None = None
+    """The policy loss's own metrics and its correction's (clip_fraction, is_weight, correction_masked, ...):
+    name -> mean over the step's trained tokens (docs/losses.md lists each loss's)."""
 
     def text(self) -> str:
         micro = "legacy" if self.microbatches_per_rank is None else str(self.microbatches_per_rank)

@@ -29,7 +29,12 @@ def step_line(result, record) -> StepLine:
         # The scheduler's staleness figures, where its records carry them.
         staleness_mean=record.staleness_mean, staleness_max=record.staleness_max,
         log_prob_mismatch=result.metrics.get("log_prob_mismatch"), shard_wait_s=result.shard_wait_s,
+        loss_metrics={name: value for name, value in result.metrics.items() if name not in _LINE_METRICS},
     )
+
+
+_LINE_METRICS = ("loss", "reward", "log_prob_mismatch")
+"""The trainer's metrics a StepLine has a field for; the rest are the loss's own (`StepLine.loss_metrics`)."""
 
 
 def producers_outcome(watches: list[ProducerWatch]) -> dict:

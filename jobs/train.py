@@ -105,6 +105,18 @@ def check_tokenizer_fits(config: JobConfig) -> None:
                           f"vocab_size={config.train.model.vocab_size}: raise the vocabulary to at least {size}")
 
 
+def resolve_loss(config: JobConfig) -> JobConfig:
+    """Build the configured policy loss once, here, so a loss that cannot run fails before any actor starts
+    (`LossConfig.build`: the import path, its kwargs, its output on a probe, staleness without a correction);
+    returns the config with what the loss decides for the scheduler filled in (Dr. GRPO's advantages are
+    not divided by the group's reward std)."""
+    loss = config.train.loss.build()
+    if loss.policy.scale_advantages_by_std is None:
+        return config
+    intake = dataclasses.replace(config.scheduler.intake, advantage_std=loss.policy.scale_advantages_by_std)
+    return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, intake=intake))
+
+
 def check_cluster_fits(config: JobConfig, resources: dict[str, float]) -> None:
     """Impossible parallel sizes for this cluster fail now, not as a placement group that waits forever."""
     train = config.train
@@ -150,6 +162,7 @@ class Job:
     """
 
     def __init__(self, config: JobConfig, records_path: str, on_event=None):
+        config = resolve_loss(config)
         self.config, self.records_path, self.on_event = config, records_path, on_event
         self.scheduler_config = job_scheduler_config(config)
         self.metrics = JobMetrics(config.run.output_dir)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -43,3 +45,12 @@ def test_group_advantages_by_rollout_id():
 def test_bad_groups_raise(bad):
     with pytest.raises(ValueError):
         normalize_group_rewards(bad)
+
+
+def test_without_the_std_division_advantages_are_only_centred():
+    """Dr. GRPO's advantages: r - mean(r), the same order and zero sum, no division by the group's std."""
+    rewards = {"a": 1.0, "b": 0.0, "c": 0.5, "d": 0.5}
+    centred = group_advantages(rewards, scale_by_std=False)
+    assert centred == pytest.approx({"a": 0.5, "b": -0.5, "c": 0.0, "d": 0.0})
+    scaled = group_advantages(rewards)
+    assert scaled["a"] == pytest.approx(0.5 / (math.sqrt(0.125) + 1e-6))

@@ -44,7 +44,7 @@ DUPLICATE_RULES = {"already_scheduled", "already_complete", "already_dropped", "
 def run_job(capsys, out: pathlib.Path, *extra: str) -> str:
     """Run the demo at staleness 2 (`jobs.train.main`); returns what it printed."""
     items = [f"run.output_dir={out}", "run.plot=false", f"train.loss.off_policy.max_staleness={MAX_STALENESS}",
-             "train.loss.off_policy.policy_loss=decoupled_ppo", *extra]
+             "train.loss.policy=decoupled_ppo", *extra]
     capsys.readouterr()
     assert main([a for item in items for a in ("--set", item)]) == 0
     return capsys.readouterr().out

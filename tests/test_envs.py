@@ -11,7 +11,7 @@ from vgbs_ray.envs.digits import (BOS, HIGHER, LOWER, NOT_DIGIT, SEP, VOCAB_SIZE
 from vgbs_ray.envs.episode import DigitEpisode, EpisodeError, EpisodeGroup
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.microbatch import pack_micro_batch
-from vgbs_ray.off_policy import OffPolicyConfig
+from vgbs_ray.losses.loading import build_loss
 from vgbs_ray.policy_loss import micro_batch_loss
 from vgbs_ray.sample import Sample, validate_rollout
 from vgbs_ray.shard import build_legacy_shards
@@ -194,7 +194,7 @@ def test_both_sample_formats_give_the_same_per_rollout_loss():
         micro_batch = pack_micro_batch(shard, range(shard.num_samples))
         model.zero_grad()
         log_probs = model.response_log_probs(micro_batch)
-        loss, _ = micro_batch_loss(OffPolicyConfig(), log_probs, micro_batch, num_rollouts=shard.num_rollouts,
+        loss, _ = micro_batch_loss(build_loss("ppo"), log_probs, micro_batch,
                                    behaviour_log_probs=log_probs.detach() - 0.05)
         loss.backward()
         return loss.detach(), model.head.weight.grad.clone(), shard.num_samples

@@ -30,7 +30,7 @@ def test_embedded_default_is_the_tiny_local_run():
     assert config.closed_loop.enabled and config.closed_loop.agent == "examples.digit_agent:make_agent"
     assert config.train.model.vocab_size == len(AutoTokenizer.from_pretrained(ROOT / config.closed_loop.tokenizer_dir))
     assert config.train.loss.off_policy.max_staleness == 1
-    assert config.train.loss.off_policy.policy_loss == "decoupled_ppo"
+    assert config.train.loss.policy == "decoupled_ppo"
 
 
 def test_the_synthetic_preset_is_a_whole_config_and_explicit_keys_still_win():
@@ -38,7 +38,7 @@ def test_the_synthetic_preset_is_a_whole_config_and_explicit_keys_still_win():
     assert config == synthetic_preset() == load_job_config(None, ["preset=synthetic"])
     assert not config.closed_loop.enabled
     assert config.scheduler.batch.global_batch_size == 8 and config.run.num_steps == 8
-    assert config.train.loss.off_policy.policy_loss == "ppo" and config.train.loss.off_policy.max_staleness == 0
+    assert config.train.loss.policy == "ppo" and config.train.loss.off_policy.max_staleness == 0
     assert config.scheduler_with_model_limits().max_staleness is None  # synthetic rollouts carry no versions
     assert config.train.model.vocab_size == 128  # the synthetic agent's default vocabulary
     # One rollout source: the synthetic preset is an agent like any other, with no tokenizer and no engines.
@@ -95,16 +95,19 @@ def test_wrong_configs_fail_at_start_up_with_the_fix(overrides, message):
 
 
 def test_off_policy_keys_reach_the_loss_and_bad_combinations_fail():
-    config = load_job_config(None, ["train.loss.off_policy.policy_loss=decoupled_ppo",
-                                    "train.loss.off_policy.max_staleness=2", "train.loss.off_policy.is_weight_cap=3.0"])
-    off_policy = config.train.loss.off_policy
-    assert (off_policy.policy_loss, off_policy.max_staleness, off_policy.is_weight_cap) == ("decoupled_ppo", 2, 3.0)
-    with pytest.raises(ConfigError, match=r"max_staleness=2 .*policy_loss='ppo' has no off-policy correction"):
-        load_job_config(None, ["train.loss.off_policy.policy_loss=ppo", "train.loss.off_policy.max_staleness=2"])
-    # clip_eps lives in one place now: the old key is refused, naming where to look
-    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['train.loss.clip_eps'\].*'off_policy'"):
-        load_job_config(None, ["train.loss.clip_eps=0.1"])
-    assert load_job_config(None, ["train.loss.off_policy.clip_eps=0.1"]).train.loss.off_policy.clip_eps == 0.1
+    config = load_job_config(None, ["train.loss.policy=decoupled_ppo", "train.loss.off_policy.max_staleness=2",
+                                    "train.loss.policy_kwargs.is_weight_cap=3.0"])
+    loss = config.train.loss
+    assert (loss.policy, loss.off_policy.max_staleness, loss.policy_kwargs) == ("decoupled_ppo", 2, {"is_weight_cap": 3.0})
+    with pytest.raises(ConfigError, match=r"max_staleness=2 .*'ppo' has no off-policy correction"):
+        load_job_config(None, ["train.loss.policy=ppo", "train.loss.off_policy.max_staleness=2"])
+    # the loss's knobs moved under train.loss: the old keys are refused, naming the new place
+    with pytest.raises(ConfigError, match=r"'train.loss.off_policy.policy_loss' moved: set train.loss.policy"):
+        load_job_config(None, ["train.loss.off_policy.policy_loss=ppo"])
+    with pytest.raises(ConfigError, match=r"'train.loss.off_policy.clip_eps' moved: set train.loss.policy_kwargs.clip_eps"):
+        load_job_config(None, ["train.loss.off_policy.clip_eps=0.1"])
+    with pytest.raises(ConfigError, match=r"policy='decoupled_ppo': policy_kwargs \['clip'\] do not fit .*clip_eps"):
+        load_job_config(None, ["train.loss.policy_kwargs.clip=0.1"])
 
 
 def test_parallel_sizes_the_cluster_cannot_hold_fail_before_any_actor():
@@ -212,3 +215,14 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_fails_before_any_actor(mo
         check_tokenizer_fits(load_job_config(None, ["train.model.vocab_size=16"]))
     with pytest.raises(ConfigError, match=r"tokenizer_dir='nowhere' is not a directory"):
         check_tokenizer_fits(load_job_config(None, ["closed_loop.tokenizer_dir=nowhere"]))
+
+
+def test_a_loss_that_wants_centred_advantages_sets_the_scheduler_so():
+    from jobs.train import resolve_loss
+
+    dr_grpo = load_job_config(None, ["train.loss.policy=dr_grpo", "train.loss.policy_kwargs.max_response_tokens=16",
+                                     "train.loss.off_policy.max_staleness=0"])
+    assert dr_grpo.scheduler.intake.advantage_std  # what the user wrote ...
+    assert resolve_loss(dr_grpo).scheduler.intake.advantage_std is False  # ... and what the job runs
+    default = load_job_config()
+    assert resolve_loss(default) == default

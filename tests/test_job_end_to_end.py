@@ -41,8 +41,12 @@ def run_job(capsys, output_dir, *extra) -> str:
 
 def test_local_job_trains_full_and_partial_steps_records_them_and_resumes(ray_session, tmp_path, capsys):
     out = tmp_path / "run"
-    first = run_job(capsys, out, "run.checkpoint_every=2")
+    # the policy loss is a user's, by import path from a file outside the package (tests/user_loss.py)
+    first = run_job(capsys, out, "run.checkpoint_every=2", "train.loss.policy=tests.user_loss:make_loss",
+                    "train.loss.policy_kwargs.temperature=2.0")
     records = read_records(out / "steps.jsonl")
+    assert all(0 <= r["loss_metrics"]["ratio_above_one"] <= 1 and "clip_fraction" not in r["loss_metrics"]
+               for r in records)  # the user's metric reached the step records, no built-in's
     assert len(step_lines(first)) == len(records) >= 3
     rollouts = [r["num_rollouts"] for r in records]
     summary = json.loads((out / "summary.json").read_text())
@@ -67,6 +71,7 @@ def test_local_job_trains_full_and_partial_steps_records_them_and_resumes(ray_se
     # Resume: run.num_steps counts the whole run's steps, and the producers continue at their saved
     # cursors, which are past every prompt: nothing is left to train, nothing trains twice
     # (tests/test_resume*.py resume runs cut short).
-    second = run_job(capsys, out, "run.resume=true", f"run.num_steps={len(records) + 2}")
+    second = run_job(capsys, out, "run.resume=true", f"run.num_steps={len(records) + 2}",
+                     "train.loss.policy=tests.user_loss:make_loss")
     assert f"resumed from {out / 'checkpoints' / latest} at step {len(records)}" in second
     assert read_records(out / "steps.jsonl") == records

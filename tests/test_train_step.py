@@ -19,7 +19,6 @@ from tests.train_support import (assert_same_update, inprocess_trainer, make_sam
                            reference_update, relative_difference, sgd_config, update_between)
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.lr_schedule import LRScheduleConfig, lr_at
-from vgbs_ray.policy_loss import OFF_POLICY_METRIC_NAMES
 from vgbs_ray.sample import make_rollout
 from vgbs_ray.schedule import build_dp_schedule
 from vgbs_ray.shard import build_legacy_shards, build_step_shards
@@ -192,9 +191,9 @@ def test_padding_micro_batches_run_as_zero_contributions():
 
 def _off_policy_config(policy_loss: str, is_weight_cap: float = 2.0):
     from actors.train_config import LossConfig
-    from vgbs_ray.off_policy import OffPolicyConfig
 
-    return sgd_config(loss=LossConfig(off_policy=OffPolicyConfig(policy_loss=policy_loss, is_weight_cap=is_weight_cap)))
+    kwargs = {"is_weight_cap": is_weight_cap} if policy_loss == "decoupled_ppo" else {}
+    return sgd_config(loss=LossConfig(policy=policy_loss, policy_kwargs=kwargs))
 
 
 def _laid_out_shard(seed: int, max_tokens: int = 100):
@@ -242,7 +241,7 @@ def test_at_staleness_zero_decoupled_ppo_is_ppo():
     ppo, ppo_result = _train(_off_policy_config("ppo"), shard)
     decoupled, result = _train(_off_policy_config("decoupled_ppo"), shard)
     assert_same_update(ppo, decoupled)
-    assert set(result.metrics) == set(ppo_result.metrics) == set(OFF_POLICY_METRIC_NAMES)
+    assert set(result.metrics) == set(ppo_result.metrics) | {"is_weight", "is_truncated"}
     assert result.metrics["loss"] == pytest.approx(ppo_result.metrics["loss"], rel=1e-6)
     assert result.metrics["loss"][1] == pytest.approx(shard.num_rollouts)
     assert _value(result, "is_weight") == pytest.approx(1.0, abs=1e-6) and result.metrics["is_truncated"][0] == 0
@@ -325,8 +324,7 @@ def test_proximal_from_the_loss_forward_equals_a_separate_no_grad_pass():
     before = trainer.full_parameters()
     micro_batches = [pack_micro_batch(shard, p) for p in shard.micro_batch_indices]
     separate = trainer.step_start_log_probs(micro_batches)
-    pairs, _ = trainer._step(micro_batches, [mb.old_log_probs for mb in micro_batches], shard.num_rollouts, 1.0,
-                             step_start=separate)
+    pairs, _ = trainer._step(micro_batches, [mb.old_log_probs for mb in micro_batches], 1.0, step_start=separate)
     assert_same_update(detached, update_between(before, trainer.full_parameters()), rtol=1e-6)
     assert set(pairs) == set(result.metrics)
     for name, pair in result.metrics.items():
@@ -338,7 +336,8 @@ def test_decoupled_ppo_refuses_a_shard_without_behaviour_log_probs_before_traini
     shard = build_step_shards(samples, _schedule(samples, max_tokens=100).steps[0], 3)[0]
     trainer = inprocess_trainer(_off_policy_config("decoupled_ppo"))
     before = trainer.full_parameters()
-    with pytest.raises(ValueError, match=r"decoupled_ppo' needs behaviour log-probs \(the samples' rollout_log_probs\) "
+    with pytest.raises(ValueError, match=r"decoupled_ppo' \(correction 'none'\) needs behaviour log-probs \(the samples' "
+                                         r"rollout_log_probs\) "
                                          rf"for step 3, dp rank 0: shard positions 0..{shard.num_samples - 1} "
                                          r"\(rollouts \['r\d', .*\] \.\.\.\) lack them"):
         trainer.train_shard(shard)
@@ -349,3 +348,34 @@ def test_decoupled_ppo_refuses_a_shard_without_behaviour_log_probs_before_traini
     _, result = _train(_off_policy_config("ppo"), shard)
     assert _value(result, "ratio") == pytest.approx(1.0, rel=1e-6)
     assert result.metrics["log_prob_mismatch"] == (0.0, 0.0)
+
+
+def nan_beyond_the_probe():
+    """A user loss that is finite on the build-time probe (5 tokens) and NaN on a real micro-batch."""
+    import torch
+
+    from vgbs_ray.losses import LossOutput, PolicyLoss
+
+    def compute(inputs):
+        poison = 0.0 if inputs.log_probs.numel() <= 5 else float("nan")
+        return LossOutput(-inputs.advantages * inputs.log_probs + poison)
+    return PolicyLoss(name="nan_beyond_the_probe", compute=compute)
+
+
+def test_a_non_finite_loss_refuses_the_update_naming_the_step_and_the_loss():
+    from actors.megatron_step import NonFiniteLossError
+    from actors.train_config import LossConfig
+
+    trainer = inprocess_trainer(sgd_config(loss=LossConfig(policy="tests.test_train_step:nan_beyond_the_probe")))
+    shard = _laid_out_shard(45)
+    before = trainer.full_parameters()
+    with pytest.raises(NonFiniteLossError, match=r"gradient norm nan.*step 0, dp rank 0: policy loss "
+                                                 r"'nan_beyond_the_probe' was not finite in micro-batch 0 \(shard positions"):
+        trainer.train_shard(shard)
+    after = trainer.full_parameters()
+    assert all(np.array_equal(before[k], after[k]) for k in before)  # no weight took a NaN
+    assert trainer.consumed_rollouts == 0
+    # the next finite step trains normally from those weights (the refused step left no gradient behind)
+    trainer.loss = LossConfig().build()
+    result = trainer.train_shard(shard)
+    assert np.isfinite(result.grad_norm) and trainer.consumed_rollouts == shard.num_rollouts

@@ -190,3 +190,31 @@ def record_collectives_worker(rank: int, port: int, shards_by_phase: dict, resul
         results.close()
         results.join_thread()  # flush the result before the hard exit
         os._exit(0)  # skip gloo / Megatron teardown in the child
+
+
+# -- two spawned ranks that train several loss configs (used by test_policy_loss_ranks) ----------
+
+def loss_cases_worker(rank: int, port: int, pp_size: int, cases: list, initial: dict, results) -> None:
+    """Spawned per rank: join a 2-rank gloo group (dp=2, or pp=2); for each (name, LossConfig, shards), a fresh
+    rank from `initial` trains its shard once. Reports per case the update (rank 0) and this rank's metric pairs."""
+    try:
+        torch.set_num_threads(1)
+        from actors.distributed import init_distributed
+        from actors.trainer import RankTrainer
+
+        info = init_distributed(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
+                                backend="gloo", timeout_s=60, tp_size=1, pp_size=pp_size, cp_size=1)
+        by_case = {}
+        for name, loss, shards in cases:
+            trainer = RankTrainer(sgd_config(dp_size=2 // pp_size, pp_size=pp_size, loss=loss), info)
+            trainer.load_full_parameters(initial)
+            result = trainer.train_shard(shards[info.dp_rank])
+            after = trainer.full_parameters()
+            by_case[name] = (update_between(initial, after) if rank == 0 else None, result.metrics)
+        results.put((rank, by_case, None))
+    except BaseException as error:  # report, never hang the parent
+        results.put((rank, None, repr(error)))
+    finally:
+        results.close()
+        results.join_thread()
+        os._exit(0)

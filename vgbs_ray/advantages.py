@@ -30,13 +30,15 @@ def is_uniform_group(rewards: Sequence[float]) -> bool:
     return bool(values) and all(v == values[0] for v in values)
 
 
-def group_advantages(rewards_by_rollout: Mapping[Hashable, float], eps: float = DEFAULT_EPS) -> dict[Hashable, float]:
-    """Advantage per rollout id of one group, from one reward per rollout."""
+def group_advantages(rewards_by_rollout: Mapping[Hashable, float], eps: float = DEFAULT_EPS,
+                     scale_by_std: bool = True) -> dict[Hashable, float]:
+    """Advantage per rollout id of one group, from one reward per rollout; `scale_by_std=False` only centres
+    them (r_i - mean(r): Dr. GRPO, which finds the std division biases toward easy and hard prompts)."""
     ids = list(rewards_by_rollout)
-    return dict(zip(ids, _normalised([float(rewards_by_rollout[r]) for r in ids], eps)))
+    return dict(zip(ids, _normalised([float(rewards_by_rollout[r]) for r in ids], eps, scale_by_std)))
 
 
-def _normalised(values: list[float], eps: float) -> list[float]:
+def _normalised(values: list[float], eps: float, scale_by_std: bool = True) -> list[float]:
     # Plain floats, not numpy: a group is a handful of rewards, and this runs once per group
     # on the scheduler's push path, where numpy's per-call overhead is ~5x the arithmetic.
     if not values:
@@ -48,5 +50,7 @@ def _normalised(values: list[float], eps: float) -> list[float]:
     if all(v == values[0] for v in values):
         return [0.0] * len(values)  # uniform group: no signal (mean may carry rounding; no 0/0 at eps=0)
     mean = math.fsum(values) / len(values)
+    if not scale_by_std:
+        return [v - mean for v in values]
     std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
     return [(v - mean) / (std + eps) for v in values]

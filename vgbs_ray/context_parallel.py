@@ -13,8 +13,8 @@ every sequence cut into 2 * cp_size equal chunks, rank r holding chunks r and 2*
    `max_seqlen` stay those of the whole padded row (what TE and RoPE divide by cp_size);
 3. a response token is scored where its logit position lands: the rank keeps exactly the
    response tokens whose scoring position it holds, with their targets, weights and old
-   log-probs, in the original order; per-sample fields (advantages, rewards, rollout mask
-   sums) stay whole, since the per-rollout loss is a sum over tokens.
+   log-probs, in the original order; per-sample fields (advantages, rewards, mask sums,
+   rollout indices) stay whole, since the per-rollout loss is a sum over tokens.
 
 Invariants (tests/test_context_parallel_split.py): over the cp ranks every real token is held
 exactly once and every response token scored exactly once; `targets[response_logit_index]`
@@ -90,4 +90,8 @@ def split_for_context_parallel(mb: PackedMicroBatch, cp_rank: int, cp_size: int)
         rewards=mb.rewards,
         rollout_mask_sums=mb.rollout_mask_sums,
         old_log_probs=None if mb.old_log_probs is None else mb.old_log_probs[keep],
+        rollout_indices=mb.rollout_indices,
+        sample_mask_sums=mb.sample_mask_sums,
+        group_mask_sums=mb.group_mask_sums,
+        step_totals=mb.step_totals,
     )

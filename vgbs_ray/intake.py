@@ -61,6 +61,9 @@ class IntakeConfig:
     """Bound on buffered tokens (prompt + response); None = unbounded."""
     advantage_eps: float = DEFAULT_EPS
     """eps in (r - mean) / (std + eps) for group advantages."""
+    advantage_std: bool = True
+    """Divide group advantages by the group's reward std; false: r - mean only (the job sets it false for a
+    loss that asks, e.g. train.loss.policy=dr_grpo)."""
     drop_uniform_groups: bool = False
     """Drop a group whose rollouts all have the same reward (no learning signal)."""
     vocab_size: int | None = None
@@ -366,7 +369,7 @@ class RolloutIntake:
         self._closed_groups.add(group_id, reason="closed")
         # Only the drop policy needs to know (a uniform group's advantages are zeros anyway).
         drop = self.config.drop_uniform_groups and is_uniform_group(list(group.rewards.values()))
-        advantages = group_advantages(group.rewards, self.config.advantage_eps)
+        advantages = group_advantages(group.rewards, self.config.advantage_eps, self.config.advantage_std)
         for rid, (samples, completed_at) in group.waiting.items():
             del self._waiting_group[rid]
             if drop:

@@ -28,6 +28,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from vgbs_ray.normalisers import StepTotals
 from vgbs_ray.packing import first_fit_decreasing
 from vgbs_ray.shard import StepShard
 
@@ -61,6 +62,14 @@ class PackedMicroBatch:
     """[num_samples] int64: the per-rollout denominators, precomputed on the rollout side."""
     old_log_probs: torch.Tensor | None
     """[R] float32 rollout log-probs from the shard, or None (recompute before the update)."""
+    rollout_indices: torch.Tensor
+    """[num_samples] int64: each sample's rollout index in the whole step (the same on every rank)."""
+    sample_mask_sums: torch.Tensor
+    """[num_samples] int64: loss-mask tokens of each whole sample (before any context-parallel split)."""
+    group_mask_sums: torch.Tensor
+    """[num_samples] int64: loss-mask tokens over each sample's whole prompt group."""
+    step_totals: StepTotals | None
+    """The whole step's counts (`vgbs_ray.normalisers.StepTotals`); None on a padding micro-batch."""
 
     @property
     def num_samples(self) -> int:
@@ -86,6 +95,7 @@ def pack_micro_batch(shard: StepShard, positions: Sequence[int]) -> PackedMicroB
     lengths = shard.total_lengths[positions]
     response_lengths = shard.response_lengths[positions]
     token_parts, position_parts, target_parts, logit_parts, weight_parts, log_prob_parts = [], [], [], [], [], []
+    sample_mask_sums = []
     start = 0
     for p, length, response_length in zip(positions.tolist(), lengths.tolist(), response_lengths.tolist()):
         tokens = shard.token_ids[token_offsets[p]:token_offsets[p + 1]]
@@ -98,6 +108,7 @@ def pack_micro_batch(shard: StepShard, positions: Sequence[int]) -> PackedMicroB
         logit_parts.append(start + np.maximum(in_sequence - 1, 0))
         mask = shard.loss_mask[response_offsets[p]:response_offsets[p + 1]]
         weight_parts.append(mask * scorable)
+        sample_mask_sums.append(int(np.count_nonzero(mask)))
         if shard.rollout_log_probs is not None:
             log_prob_parts.append(shard.rollout_log_probs[response_offsets[p]:response_offsets[p + 1]])
         start += length
@@ -117,6 +128,10 @@ def pack_micro_batch(shard: StepShard, positions: Sequence[int]) -> PackedMicroB
         rollout_mask_sums=torch.from_numpy(shard.rollout_mask_sums[positions].astype(np.int64)),
         old_log_probs=(None if shard.rollout_log_probs is None
                        else torch.from_numpy(_concat(log_prob_parts, np.float32))),
+        rollout_indices=torch.from_numpy(shard.rollout_indices[positions].astype(np.int64)),
+        sample_mask_sums=torch.tensor(sample_mask_sums, dtype=torch.int64),
+        group_mask_sums=torch.from_numpy(shard.group_mask_sums[positions].astype(np.int64)),
+        step_totals=shard.step_totals,
     )
 
 

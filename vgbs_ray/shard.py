@@ -2,8 +2,8 @@
 
 A shard is built once on the rollout side and put into the Ray object store; numpy arrays
 come back zero-copy on `ray.get`. It carries its own normalisers (`rollout_mask_sums` over
-the whole rollout, across ranks; `num_rollouts` of the whole step) so a train worker never
-recounts anything.
+the whole rollout and `group_mask_sums` over the whole prompt group, across ranks; the step's
+totals, `num_rollouts` among them) so a train worker never recounts anything.
 
 Flat layout: samples appear in execution order (the rank's partition). `token_ids` holds
 every sample's tokens back to back (`total_lengths` each); `loss_mask` and
@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from vgbs_ray.errors import RolloutValidationError
-from vgbs_ray.normalisers import rollout_mask_sums as compute_rollout_mask_sums
+from vgbs_ray.normalisers import StepTotals, step_normalisers
 from vgbs_ray.sample import Sample
 from vgbs_ray.schedule import StepLayout
 
@@ -46,6 +46,12 @@ class StepShard:
     rollout_mask_sums: np.ndarray
     """Per sample: loss-mask tokens over its whole rollout (int64)."""
     rollout_ids: list
+    rollout_indices: np.ndarray
+    """Per sample: its rollout's index in the whole step (int64), the same on every rank."""
+    group_mask_sums: np.ndarray
+    """Per sample: loss-mask tokens over its whole prompt group (int64)."""
+    step_totals: StepTotals
+    """The whole step's rollouts, samples, groups and mask tokens: the aggregations' divisors."""
     rollout_log_probs: np.ndarray | None = None
 
     @property
@@ -102,7 +108,8 @@ def _shards(partitions: list[list[Sample]], step: int, num_rollouts: int,
         log_probs = _concat([s.rollout_log_probs for s in ordered], np.float32)
     advantages = np.array([s.advantage for s in ordered], dtype=np.float32)
     rewards = np.array([s.reward for s in ordered], dtype=np.float32)
-    rollout_mask_sums = compute_rollout_mask_sums([s.rollout_id for s in ordered], [s.loss_mask for s in ordered])
+    normalisers = step_normalisers([s.rollout_id for s in ordered], [s.group_id for s in ordered],
+                                   [s.loss_mask for s in ordered], num_rollouts)
     starts = np.cumsum([0, *map(len, partitions)]).tolist()  # rank r's samples: starts[r]:starts[r + 1]
     token_at = np.concatenate([[0], np.cumsum(total_lengths)]).tolist()
     response_at = np.concatenate([[0], np.cumsum(response_lengths)]).tolist()
@@ -125,8 +132,11 @@ def _shards(partitions: list[list[Sample]], step: int, num_rollouts: int,
             loss_mask=loss_mask[r0:r1],
             advantages=advantages[a:b],
             rewards=rewards[a:b],
-            rollout_mask_sums=rollout_mask_sums[a:b],
+            rollout_mask_sums=normalisers.rollout_mask_sums[a:b],
             rollout_ids=[s.rollout_id for s in partition],
+            rollout_indices=normalisers.rollout_indices[a:b],
+            group_mask_sums=normalisers.group_mask_sums[a:b],
+            step_totals=normalisers.totals,
             rollout_log_probs=None if log_probs is None or not partition else log_probs[r0:r1],
         ))
     return shards

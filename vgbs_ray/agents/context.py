@@ -93,7 +93,7 @@ class RolloutContext:
         """A sample this agent made itself: `token_ids` (prompt then response), `loss_mask` (one per response
         token: 1 trained, 0 context), so the response is the last `len(loss_mask)` tokens. Behaviour
         log-probs (one per response token) and the policy version that sampled it are optional: without
-        them the loss must be on-policy (train.loss.off_policy.max_staleness=0, policy_loss=ppo).
+        them the loss must be on-policy (train.loss.off_policy.max_staleness=0, train.loss.policy=ppo).
         Nothing is checked here: the scheduler rejects a malformed sample, naming this rollout and the rule."""
         row = dict(tokens=np.asarray(token_ids, dtype=np.int64), response_length=len(loss_mask),
                    loss_mask=np.asarray(loss_mask, dtype=np.int8))

@@ -1,0 +1,128 @@
+"""Every built-in loss (and the corrections and aggregations) gives the same update at dp=1, dp=2 and pp=2.
+
+One step of plain SGD (lr 1, no clipping) from the same weights on the same rollouts: an in-process rank
+at dp=1 with several micro-batches, two spawned gloo ranks at dp=2 (some rollout's samples on both ranks,
+so GSPO's rollout ratio and the rollout-level correction need the pre-pass's all-reduce), and two at pp=2
+(Megatron's 1F1B; only the last stage computes the loss). Behaviour log-probs are the step-start policy's
+plus noise, so ratios fall on both sides of every clip. Context parallelism needs a GPU here (TE's packed
+attention): its part of the reduction (one SUM over CP of the pre-pass's sums) has no CPU test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+
+import numpy as np
+import pytest
+
+from actors.train_config import LossConfig
+from tests.train_support import (assert_same_update, inprocess_trainer, loss_cases_worker, make_samples, sgd_config,
+                                 update_between)
+from vgbs_ray.config import BatchConfig, ParallelConfig
+from vgbs_ray.losses import CorrectionConfig
+from vgbs_ray.metrics import reduce_metric_pairs
+from vgbs_ray.microbatch import pack_micro_batch
+from vgbs_ray.schedule import build_dp_schedule
+from vgbs_ray.shard import build_legacy_shards, build_step_shards
+
+PROXIMAL = {"anchor": "proximal"}
+CASES = {
+    "ppo_dual_clip": LossConfig(policy="ppo", policy_kwargs={"dual_clip": 2.0}),
+    "decoupled_ppo": LossConfig(policy="decoupled_ppo"),
+    "gspo_rollout": LossConfig(policy="gspo", policy_kwargs={"clip_eps": 0.02, "clip_eps_high": 0.02}),
+    "gspo_sample": LossConfig(policy="gspo", policy_kwargs={"level": "sample", "clip_eps": 0.02, "clip_eps_high": 0.02}),
+    "cispo": LossConfig(policy="cispo", policy_kwargs={"clip_eps_high": 0.1}),
+    "dr_grpo": LossConfig(policy="dr_grpo", policy_kwargs={"max_response_tokens": 64}),
+    "dapo": LossConfig(policy="dapo"),
+    "tis_rollout": LossConfig(policy="ppo", policy_kwargs=PROXIMAL,
+                              correction=CorrectionConfig(kind="tis", level="rollout", low=0.98, high=1.02)),
+    "icepop_token": LossConfig(policy="ppo", policy_kwargs=PROXIMAL,
+                               correction=CorrectionConfig(kind="icepop", low=0.8, high=1.25)),
+    "prompt_token_mean": LossConfig(policy="ppo", aggregation="prompt_token_mean"),
+    "sample_token_mean": LossConfig(policy="ppo", aggregation="sample_token_mean"),
+}
+
+
+def _samples():
+    """10 rollouts of 1-4 samples in prompt groups of 2, behaviour = the step-start policy + noise."""
+    samples = [dataclasses.replace(s, group_id=f"g{int(str(s.rollout_id)[1:]) // 2}", group_size=2)
+               for s in make_samples(61, 10, max_len=60)]
+    shard = build_legacy_shards(samples, 0, 1)[0]
+    start = inprocess_trainer(sgd_config()).step_start_log_probs([pack_micro_batch(shard, range(shard.num_samples))])[0]
+    noise = np.random.default_rng(5)
+    pieces = np.split(start.numpy(), np.cumsum([s.response_length for s in samples])[:-1])
+    return [dataclasses.replace(s, rollout_log_probs=(piece + noise.uniform(-0.3, 0.3, piece.shape)).astype(np.float32))
+            for s, piece in zip(samples, pieces)]
+
+
+def _shards(samples, dp_size: int):
+    batch = BatchConfig(global_batch_size=len({s.rollout_id for s in samples}), max_tokens_per_gpu=120)
+    schedule = build_dp_schedule([s.total_length for s in samples], [s.rollout_id for s in samples],
+                                 ParallelConfig(dp_size=dp_size), batch)
+    return build_step_shards(samples, schedule.steps[0], 0)
+
+
+def _spawned(pp_size: int, cases: list, initial: dict) -> dict:
+    """{case: (update, metric pairs summed over the ranks)} from two spawned ranks."""
+    from actors.distributed import find_free_port
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = find_free_port()
+    procs = [context.Process(target=loss_cases_worker, args=(rank, port, pp_size, cases, initial, results))
+             for rank in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        reports = [results.get(timeout=300) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    for rank, _, error in reports:
+        assert error is None, f"rank {rank}: {error}"
+    by_rank = dict((rank, by_case) for rank, by_case, _ in reports)
+    return {name: (by_rank[0][name][0], reduce_metric_pairs([by_rank[0][name][1], by_rank[1][name][1]]))
+            for name in by_rank[0]}
+
+
+@pytest.fixture(scope="module")
+def step_results():
+    samples = _samples()
+    dp1, dp2 = _shards(samples, 1)[0], _shards(samples, 2)
+    assert dp1.num_microbatches >= 3
+    split = set(dp2[0].rollout_ids) & set(dp2[1].rollout_ids)
+    assert split, "some rollout must have samples on both dp ranks"
+    reference = inprocess_trainer(sgd_config())
+    initial = reference.full_parameters()
+    one = {}
+    for name, loss in CASES.items():
+        trainer = inprocess_trainer(sgd_config(loss=loss))
+        trainer.load_full_parameters(initial)
+        result = trainer.train_shard(dp1)
+        one[name] = (update_between(initial, trainer.full_parameters()), result.metrics)
+    cases = list(CASES.items())
+    return {"dp1": one, "dp2": _spawned(1, [(n, c, dp2) for n, c in cases], initial),
+            "pp2": _spawned(2, [(n, c, [dp1]) for n, c in cases], initial)}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_step_is_the_same_update_at_dp1_dp2_and_pp2(step_results, name):
+    update, metrics = step_results["dp1"][name]
+    assert max(float(np.abs(v).max()) for v in update.values()) > 1e-6  # the step moved the weights
+    for layout in ("dp2", "pp2"):
+        other, other_metrics = step_results[layout][name]
+        assert_same_update(update, other, rtol=1e-5)
+        assert set(other_metrics) == set(metrics), layout
+        for metric, pair in metrics.items():
+            assert other_metrics[metric] == pytest.approx(pair, rel=1e-5, abs=1e-7), (layout, metric)
+
+
+def test_the_cases_exercise_both_sides_of_their_clips(step_results):
+    metrics = {name: result[1] for name, result in step_results["dp1"].items()}
+    for name, metric in [("gspo_rollout", "clip_fraction"), ("cispo", "clip_fraction"),
+                         ("tis_rollout", "correction_truncated"), ("icepop_token", "correction_masked")]:
+        total, count = metrics[name][metric]
+        assert 0 < total < count, (name, metric, total, count)
