@@ -34,7 +34,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
-from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron.core.optimizer import clip_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from actors.model import (build_gpt_model, is_expert_parameter, named_parameters_global, packed_seq_params,
@@ -163,8 +163,10 @@ class MegatronStep:
         for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             parameters = [] if getattr(part, "is_stub_optimizer", False) else part.get_parameters()
             if parameters and part.config.clip_grad > 0.0:
-                clip_grad_by_total_norm_fp32(parameters, max_norm=part.config.clip_grad, total_norm=norm,
-                                             use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+                # looked up at call time: on CPU, actors/megatron_cpu_compat.py swaps in a version without the CUDA assert
+                clip_grads.clip_grad_by_total_norm_fp32(
+                    parameters, max_norm=part.config.clip_grad, total_norm=norm,
+                    use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
         self.optimizer.step_with_ready_grads()
         return norm
 

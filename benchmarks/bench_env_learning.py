@@ -15,7 +15,8 @@ Staleness is emulated at its worst: with staleness s, every rollout of step k is
 the weights of version k - s (a snapshot), and the loss is decoupled PPO (proximal = the
 weights at step start, truncated importance weights); s = 0 is on-policy PPO. With --losses, each
 named loss at staleness 0 and 2 (a loss without its own correction gets TIS against the proximal
-policy when stale).
+policy when stale; `gspo@behaviour`: GSPO's sequence ratio against the stale sampling policy itself,
+uncorrected, as its paper runs it).
 
 Printed per configuration, side by side over seeds: steps until the mean reward over the
 last 10 steps first reaches 0.8, the mean reward of the first 10 steps (chance), the last
@@ -166,6 +167,8 @@ def loss_for(name: str | None, staleness: int) -> ResolvedLoss:
     loss without its own correction gets TIS against the proximal policy when stale (no uncorrected runs)."""
     if name is None:
         name = "decoupled_ppo" if staleness else "ppo"
+    if name == "gspo@behaviour":  # GSPO as its paper runs it: the sequence ratio against the sampling policy
+        return build_loss("gspo", {}, max_staleness=staleness, allow_uncorrected_staleness=True)
     kwargs = dict(LOSS_KWARGS.get(name, {}))
     correction = CorrectionConfig()
     if staleness and name in ("ppo", "gspo", "dr_grpo", "dapo"):
@@ -239,6 +242,8 @@ def main() -> None:
     if args.losses is not None:
         configs = [(f"{name}, stale {staleness}", "successor_of_last", 8, staleness, name)
                    for name in (args.losses or LOSSES) for staleness in (0, 2)]
+        if not args.losses:
+            configs.append(("gspo@behaviour, stale 2", "successor_of_last", 8, 2, "gspo@behaviour"))
     seeds = args.seeds[:2] if args.quick else args.seeds
     task = DigitTaskConfig()
     print(f"digit task: vocab {VOCAB_SIZE}, max sequence {task.max_sequence_length} tokens, turn rewards "

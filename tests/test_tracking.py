@@ -128,7 +128,9 @@ def test_the_vocabulary_names_every_step_field_once_with_valid_distinct_ray_name
     assert fields - set(used) == {"step", "layout"}
     ray = [metric.ray_name for metric in RAY_GAUGES]
     assert len(set(ray)) == len(ray) and all(re.fullmatch(r"vgbs_job_[a-zA-Z0-9_]+", n) for n in ray)
-    values = step_values(line(3, rollouts=5, policy_version=3, log_prob_mismatch=float("nan")))
+    values = step_values(line(3, rollouts=5, policy_version=3, log_prob_mismatch=float("nan"),
+                              loss_metrics={"clip_fraction": 0.25, "is_weight": float("nan")}))
+    assert values["loss/clip_fraction"] == 0.25 and "loss/is_weight" not in values  # the loss's own, NaN left out
     assert values["step/rollouts"] == 5 and values["step/partial"] == 1.0 and values["policy/version"] == 3
     assert values["share/trainer_idle"] == pytest.approx(0.1 / 0.4)
     assert "logprob/mismatch" not in values and "reward/sampled" not in values  # NaN, None: not measured

@@ -379,3 +379,20 @@ def test_a_non_finite_loss_refuses_the_update_naming_the_step_and_the_loss():
     trainer.loss = LossConfig().build()
     result = trainer.train_shard(shard)
     assert np.isfinite(result.grad_norm) and trainer.consumed_rollouts == shard.num_rollouts
+
+
+def test_clipping_scales_the_update_by_max_norm_over_the_global_norm():
+    """Megatron's clip, run in parts around the non-finite check: the clipped update is the unclipped one times
+    max_norm / (norm + 1e-6), and the step reports the norm before clipping."""
+    from actors.train_config import OptimizerConfig
+
+    shard = _laid_out_shard(46)
+    free, free_result = _train(sgd_config(), shard)
+    max_norm = free_result.grad_norm / 2  # a scale near 1: float32 parameters keep the update's digits
+    clipped_config = dataclasses.replace(sgd_config(), optimizer=dataclasses.replace(
+        sgd_config().optimizer, clip_grad_norm=max_norm))
+    assert isinstance(clipped_config.optimizer, OptimizerConfig)
+    clipped, result = _train(clipped_config, shard)
+    assert result.grad_norm == pytest.approx(free_result.grad_norm, rel=1e-6)
+    scale = max_norm / (result.grad_norm + 1e-6)
+    assert_same_update({k: scale * v for k, v in free.items()}, clipped, rtol=1e-5)
