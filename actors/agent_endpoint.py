@@ -16,8 +16,10 @@ A request names its rollout by the session id in its path (what a `base_url` car
 the `X-Session-Id` header on the bare /v1 routes. What a request may ask and how it is
 answered: vgbs_ray/agents/openai_protocol.py. Errors are OpenAI error bodies: 400 for a bad
 field, malformed JSON or a request longer than the engine takes, 401 without the token and 403
-with a wrong one, 404 for an unknown or ended session, 409 for a second reward; none of them
-touches another session. 503 when the engines failed (the producer then fails, as for a Python agent).
+with a wrong one, 404 for an unknown or ended session, 409 for a second reward (also once the
+session ended: the last 100,000 ended sessions are remembered); none of them touches another
+session. 501 for `tools` when the job's tool parser cannot run; 503 when the engines failed (the
+producer then fails, as for a Python agent). `stream: true` answers server-sent events.
 
 The server listens on loopback, or on the node's private address (`host="node"`) so agents on
 other nodes of the cluster reach it; never on every interface. It runs inside the producer's
@@ -27,6 +29,7 @@ engine calls like a Python agent's.
 
 from __future__ import annotations
 
+import collections
 import hmac
 import json
 import logging
@@ -35,12 +38,15 @@ import secrets
 from aiohttp import web
 
 from vgbs_ray.agents.context import RolloutContext
-from vgbs_ray.agents.openai_protocol import EndpointRollout, EndpointSession, ProtocolError
+from vgbs_ray.agents.openai_protocol import EndpointRollout, EndpointSession, ProtocolError, stream_chunks
+from vgbs_ray.agents.tool_calls import ToolCallParser
 from vgbs_ray.errors import ConfigError
 
 log = logging.getLogger("vgbs.endpoint")
 
 SESSION_HEADER = "X-Session-Id"
+ENDED_SESSIONS_KEPT = 100_000
+"""Ended session ids remembered for a late reward report's 409 (~100 bytes each)."""
 
 
 def listen_address(host: str) -> str:
@@ -58,11 +64,17 @@ def listen_address(host: str) -> str:
 class AgentEndpoint:
     """See module docstring."""
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, token: str):
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, token: str, tool_parser: str | None = None):
         if not token or len(token) < 16:
             raise ConfigError("AgentEndpoint needs a token of at least 16 characters")
         self._host, self._port, self._token = host, port, token
+        self._tool_parser_name = tool_parser
+        self._tool_parser: ToolCallParser | None = None
         self._sessions: dict[str, EndpointRollout] = {}
+        self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
+        """The most recent ended sessions (a reward report to one is a 409, not an unknown session's 404)."""
+        self.outcomes: dict[str, int] = {}
+        """Over every session: tool-call parse outcomes (`tool_calls/<outcome>`) and new samples (a request extending no held conversation)."""
         self._runner: web.AppRunner | None = None
         self.address: str | None = None
         self.refused = 0
@@ -92,14 +104,19 @@ class AgentEndpoint:
     def open(self, context: RolloutContext) -> EndpointSession:
         """A session for this rollout; sets `context.endpoint`."""
         session_id = f"{context.rollout_id}-{secrets.token_hex(4)}"
-        rollout = EndpointRollout(context)
+        if self._tool_parser is None and self._tool_parser_name is not None and context.tokenizer is not None:
+            self._tool_parser = ToolCallParser(self._tool_parser_name, context.tokenizer)
+        rollout = EndpointRollout(context, self._tool_parser, self.outcomes)
         self._sessions[session_id] = rollout
         context.endpoint = EndpointSession(address=self.address, session_id=session_id, api_key=self._token,
                                            rollout=rollout)
         return context.endpoint
 
     def close(self, session: EndpointSession) -> None:
-        self._sessions.pop(session.session_id, None)
+        if self._sessions.pop(session.session_id, None) is not None:
+            self._ended[session.session_id] = None
+            while len(self._ended) > ENDED_SESSIONS_KEPT:
+                self._ended.popitem(last=False)
 
     @property
     def open_sessions(self) -> int:
@@ -129,6 +146,8 @@ class AgentEndpoint:
                 raise ProtocolError(f"no session: use a base_url of /sessions/{{session}}/v1, or the {SESSION_HEADER} "
                                     "header", status=404)
             rollout = self._sessions.get(session_id)
+            if rollout is None and kind == "reward" and session_id in self._ended:
+                raise ProtocolError(f"session {session_id!r} has ended: its rollout's reward is settled", status=409)
             if rollout is None:
                 raise ProtocolError(f"unknown or ended session {session_id!r}", status=404)
             if kind == "models":
@@ -152,9 +171,27 @@ class AgentEndpoint:
                 rollout.fatal_error = error
                 return web.json_response({"error": {"message": f"the engines failed: {error!r}", "type": "api_error",
                                                     "param": None, "code": None}}, status=503)
+            if body.get("stream"):
+                return await _stream(request, stream_chunks(answer, (body.get("stream_options") or {}).get(
+                    "include_usage", False)))
             return web.json_response(answer)
 
         return handle
+
+
+async def _stream(request: web.Request, chunks: list[dict]) -> web.StreamResponse:
+    """Server-sent events: one `data:` line per chunk, then `data: [DONE]`. A client gone mid-stream changes
+    nothing: the generation was recorded before the first chunk."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    try:
+        for chunk in chunks:
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except (ConnectionResetError, ConnectionError):
+        log.info("a client closed its stream early; its generation is recorded")
+    return response
 
 
 def _strict_json(text: str):

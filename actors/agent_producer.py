@@ -124,6 +124,8 @@ class AgentProducerConfig:
     with its own session (ctx.endpoint); None: no endpoint."""
     endpoint_token: str | None = None
     """The token every endpoint request must carry (the job makes one per run)."""
+    tool_parser: str | None = None
+    """The vLLM tool parser the endpoint parses replies to requests with `tools` with (None: tools are refused)."""
     sample_push_fraction: float = 0.0
     """Share of groups pushed one sample per submit call (see module docstring). Their rollouts are pushed
     again whole by a resumed producer and the scheduler rejects the samples it holds, so the agent must
@@ -179,7 +181,11 @@ class AgentProducerReport:
     mean_reward: float | None
     """Over every pushed rollout (filtered groups included): the sampling policy's reward."""
     agent_metrics: dict
-    """Mean per rollout of each metric the agents reported, over pushed rollouts."""
+    """Mean of each metric the agents reported, over the pushed rollouts that reported it."""
+    agent_metric_counts: dict
+    """Pushed rollouts that reported each metric."""
+    endpoint_outcomes: dict
+    """Endpoint tool-call parse outcomes (`tool_calls/<outcome>`) and new samples (a request extending no held conversation), counted."""
     stopped: bool
     in_flight: int
     """Prompts a worker is answering at the time of the report."""
@@ -278,6 +284,8 @@ class AgentProducer:
         self._engine_versions = None if engines is None else EngineVersionWatch(engines.policy_version, config.admit_retry_s)
         self._reward_sum, self._reward_count = 0.0, 0
         self._metric_sums: dict[str, float] = {}
+        self._metric_counts: dict[str, int] = {}
+        """Rollouts that reported each metric: its mean is over them."""
         self._unreported = (0.0, 0)
         self._running = False
         self._finished = asyncio.Event()
@@ -312,7 +320,7 @@ class AgentProducer:
             return None
         if self._endpoint is None:
             self._endpoint = AgentEndpoint(host=listen_address(self._config.endpoint_host),
-                                           token=self._config.endpoint_token)
+                                           token=self._config.endpoint_token, tool_parser=self._config.tool_parser)
             await self._endpoint.start()
         return self._endpoint.address
 
@@ -339,7 +347,9 @@ class AgentProducer:
             agent=self._index, **self._counts, failed_groups=dict(self._failed),
             **{k: round(v, 3) for k, v in self._times.items()},
             mean_reward=self._reward_sum / count if count else None,
-            agent_metrics={k: v / count for k, v in self._metric_sums.items()} if count else {},
+            agent_metrics={k: v / self._metric_counts[k] for k, v in self._metric_sums.items() if self._metric_counts[k]},
+            agent_metric_counts=dict(self._metric_counts),
+            endpoint_outcomes=dict(self._endpoint.outcomes) if self._endpoint is not None else {},
             stopped=self._stop.is_set(), in_flight=len(self._working),
             endpoint_refused=self._endpoint.refused if self._endpoint is not None else 0,
             awaiting_engine=len(self._awaiting_engine), awaiting_requests=sum(self._awaiting_engine.values()),
@@ -426,6 +436,7 @@ class AgentProducer:
         for name, value in outcome.metrics.items():
             if name != "num_samples":
                 self._metric_sums[name] = self._metric_sums.get(name, 0.0) + value
+                self._metric_counts[name] = self._metric_counts.get(name, 0) + outcome.metric_counts.get(name, 0)
         self._unreported = (self._unreported[0] + sum(rewards), self._unreported[1] + len(rewards))
         return True
 

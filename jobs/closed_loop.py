@@ -174,7 +174,8 @@ class ClosedLoop:
             tokenizer_dir=tokenizer_dir, sample_push_fraction=loop_config.sample_push_fraction,
             max_sequence_length=config.train.model.max_position_embeddings, seed=loop_config.seed,
             endpoint_host=endpoint.host if endpoint.enabled else None,
-            endpoint_token=endpoint_token(config.run.output_dir) if endpoint.enabled else None)
+            endpoint_token=endpoint_token(config.run.output_dir) if endpoint.enabled else None,
+            tool_parser=endpoint.resolved_tool_parser(config.train.model.family))
 
     def start(self, config, group, *, on_recovery=None) -> None:
         """`group`'s current weights to the engines as `policy_version` (waits for the engines and the load),

@@ -30,6 +30,7 @@ from jobs.tracking import LOGGER_NAMES
 from jobs.tracking_backends import MlflowConfig, TensorBoardConfig, WandbConfig
 from vgbs_ray.config import BatchConfig, check_schedule_configs
 from vgbs_ray.agents import SamplingConfig
+from vgbs_ray.agents.tool_calls import FAMILY_PARSERS, ToolRequestError, check_parser_name
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.intake import IntakeConfig
 from vgbs_ray.lr_schedule import LRScheduleConfig
@@ -112,8 +113,21 @@ class EndpointConfig:
     host: Literal["loopback", "node"] = "loopback"
     """"loopback": 127.0.0.1 (agents run in the producer's process or node); "node": the node's private address,
     for agents elsewhere in the cluster. Never every interface."""
+    tool_parser: str | None = None
+    """The vLLM tool parser replies to requests with `tools` are parsed with (docs/agents.md, "Tool calls"): null =
+    the model family's (hermes for Qwen2.5 / Qwen3, llama3_json for Llama 3.x), 'none' = tools are refused, or any
+    name vLLM registers (vllm.tool_parsers)."""
+
+    def resolved_tool_parser(self, family: str) -> str | None:
+        """The parser name the producers use for a model of `family` (None: none)."""
+        if self.tool_parser == "none":
+            return None
+        return self.tool_parser or FAMILY_PARSERS.get(family)
 
     def __post_init__(self):
+        if self.tool_parser is not None and (not isinstance(self.tool_parser, str) or not self.tool_parser):
+            raise ConfigError(f"closed_loop.endpoint.tool_parser must be a vLLM parser name, 'none' or null, got "
+                              f"{self.tool_parser!r}")
         if self.host not in ("loopback", "node"):
             raise ConfigError(f"closed_loop.endpoint.host={self.host!r} must be 'loopback' or 'node' (the node's "
                               "private address); the endpoint never listens on every interface")
@@ -345,6 +359,12 @@ def load_job_config(path: str | None = None, overrides: list[str] | tuple[str, .
         raise ConfigError(f"preset {name!r} is unknown; pick one of {sorted(PRESETS)}")
     config = config_from_mapping(JobConfig, _with_checkpoint_model(mapping), base=PRESETS[name]())
     config.train.loss.build()
+    endpoint = config.closed_loop.endpoint
+    if endpoint.enabled and endpoint.tool_parser not in (None, "none"):
+        try:
+            check_parser_name(endpoint.tool_parser)  # imports vLLM: only for a parser named by hand
+        except ToolRequestError as error:
+            raise ConfigError(str(error)) from None
     return config
 
 

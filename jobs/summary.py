@@ -96,21 +96,35 @@ def closed_loop_summary(trained: list[StepLine], reports: list, loop: ClosedLoop
         "engine_replacements": list(loop.engine_watch.replacements) if loop.engine_watch is not None else [],
         "producers": counts,
         "failed_groups": failed,
-        "agent_metrics": agent_metrics(reports),
+        "agent_metrics": agent_metrics(reports)[0],
+        "agent_metric_rollouts": agent_metrics(reports)[1],
+        "endpoint_outcomes": endpoint_outcomes(reports),
         "engine_wait_s": round(sum(r.engine_wait_s for r in reports), 2),
         "producer_idle_s": round(sum(r.idle_s for r in reports), 2),
         **(overlap_summary(trained, stats, elapsed_s) if stats is not None else {}),
     }
 
 
-def agent_metrics(reports: list) -> dict:
-    """Each metric the agents reported, as its mean per pushed rollout over every producer."""
+def agent_metrics(reports: list) -> tuple[dict, dict]:
+    """({name: mean over the pushed rollouts that reported it}, {name: how many did}), over every producer: a
+    metric some rollouts omit is averaged over the others, never counted as 0 for them."""
     sums: dict[str, float] = {}
-    rollouts = sum(r.rollouts for r in reports)
+    counts: dict[str, int] = {}
     for report in reports:
         for name, mean in report.agent_metrics.items():
-            sums[name] = sums.get(name, 0.0) + mean * report.rollouts
-    return {name: round(total / rollouts, 4) for name, total in sums.items()} if rollouts else {}
+            count = report.agent_metric_counts.get(name, 0)
+            sums[name] = sums.get(name, 0.0) + mean * count
+            counts[name] = counts.get(name, 0) + count
+    return {name: round(sums[name] / counts[name], 4) for name in sums if counts[name]}, counts
+
+
+def endpoint_outcomes(reports: list) -> dict:
+    """The endpoint's tool-call parse outcomes and new samples, summed over every producer."""
+    total: dict[str, int] = {}
+    for report in reports:
+        for name, count in report.endpoint_outcomes.items():
+            total[name] = total.get(name, 0) + count
+    return total
 
 
 def overlap_summary(trained: list[StepLine], stats, elapsed_s: float | None) -> dict:

@@ -12,8 +12,9 @@
     --set closed_loop.agent=vgbs_ray.agents.openai_agent:make_agent
     --set closed_loop.agent_kwargs='{run: my_agents.solver:run}'
 
-`run(row, base_url, api_key, **run_kwargs)` may be sync (it runs in a thread, so blocking
-clients work) or async. It returns the rollout's reward (a float or an `AgentResult`), or None
+`run(row, base_url, api_key, **run_kwargs)` may be sync (it runs in a daemon thread, so blocking
+clients work, and a `run` that never returns, lost as `agent_timeout`, cannot hold the producer's
+process at exit) or async. It returns the rollout's reward (a float or an `AgentResult`), or None
 after reporting the reward itself with `report_reward` (or `POST {reward_url}` from any process
 or language). The rollout ends, and its samples are pushed, when the reward is known: returned
 or reported, whichever comes first. `base_url` names the rollout's session, so everything sent
@@ -26,8 +27,8 @@ import asyncio
 import functools
 import inspect
 import json
+import threading
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 from vgbs_ray.agents.generation import RequestTooLongError
 from vgbs_ray.agents.loading import resolve
@@ -49,12 +50,38 @@ def report_reward(base_url: str, api_key: str, reward: float, metrics: dict | No
         return json.loads(answer.read())
 
 
+def in_daemon_thread(function) -> asyncio.Future:
+    """`function()` in a new daemon thread, as a future of this loop. Not a ThreadPoolExecutor: its workers are
+    joined at interpreter exit, so one `run` that never returns would keep the producer's process alive forever."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(outcome, error) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(outcome)
+
+    def call() -> None:
+        try:
+            outcome, error = function(), None
+        except BaseException as raised:  # noqa: BLE001 - handed to the awaiting agent as its own error
+            outcome, error = None, raised
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(settle, outcome, error)
+
+    threading.Thread(target=call, name="agent-run", daemon=True).start()
+    return future
+
+
 def make_agent(run: str, run_kwargs: dict | None = None, threads: int = 256):
-    """The agent running `run` (an import path, see module docstring) for each rollout; a sync `run` gets
-    one of `threads` threads (at least groups_in_flight x group_size, so no rollout waits for one)."""
+    """The agent running `run` (an import path, see module docstring) for each rollout; at most `threads` sync
+    `run`s at once (at least groups_in_flight x group_size, so no rollout waits for one)."""
     target = resolve(run, "closed_loop.agent_kwargs.run")
     kwargs = dict(run_kwargs or {})
-    pool = None if inspect.iscoroutinefunction(target) else ThreadPoolExecutor(threads, thread_name_prefix="agent")
+    slots = asyncio.Semaphore(threads)
+
+    async def in_thread(*args):
+        async with slots:
+            return await in_daemon_thread(functools.partial(target, *args, **kwargs))
 
     async def agent(row: dict, ctx) -> AgentResult:
         if ctx.endpoint is None:
@@ -64,8 +91,7 @@ def make_agent(run: str, run_kwargs: dict | None = None, threads: int = 256):
         if inspect.iscoroutinefunction(target):
             called = target(row, session.base_url, session.api_key, **kwargs)
         else:
-            called = asyncio.get_running_loop().run_in_executor(
-                pool, functools.partial(target, row, session.base_url, session.api_key, **kwargs))
+            called = in_thread(row, session.base_url, session.api_key)
         running = asyncio.ensure_future(called)
         reported = asyncio.ensure_future(session.rollout.result())
         try:

@@ -26,8 +26,12 @@ Where this differs from OpenAI (all documented in docs/agents.md):
   top-p), one per generated token including the end-of-turn token; `top_logprobs` > 0 is refused.
 - extensions: `return_token_ids: true` adds `prompt_token_ids` and each choice's `token_ids`;
   `system_fingerprint` is `policy-v{version}`, the oldest policy version that sampled the choices.
-- replies are text: `tools` are rendered by the chat template, but no `tool_calls` are parsed
-  from the output (agents parse their own tool-call text).
+- tool calls (`tools`): the reply is parsed with vLLM's tool parser of the model family
+  (`vgbs_ray/agents/tool_calls.py`); an assistant message sent back with calls this session returned is
+  rendered as the engine's own text of them, never re-rendered from the parsed JSON, so the next turn
+  extends the held ids; only tool results and the template's separators are new (mask 0).
+- `stream: true` answers OpenAI's chunks as server-sent events once the generation is complete (the engine
+  call is one request); what is trained is the same as without streaming.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from vgbs_ray.agents.context import RolloutContext
 from vgbs_ray.agents.generation import Generation, RequestTooLongError, SamplingConfig
 from vgbs_ray.agents.rollout import TOO_LONG, AgentResult
 from vgbs_ray.agents.session import TextSession, TokenSession
+from vgbs_ray.agents.tool_calls import ToolCallParser, ToolParserUnavailable, ToolRequest, ToolRequestError
 from vgbs_ray.errors import ConfigError, VgbsError
 
 MAX_CHOICES = 16
@@ -63,7 +68,7 @@ class ProtocolError(VgbsError, ValueError):
 
     def body(self) -> dict:
         kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                409: "conflict_error"}.get(self.status, "invalid_request_error")
+                409: "conflict_error", 501: "not_implemented"}.get(self.status, "invalid_request_error")
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
@@ -72,14 +77,24 @@ def _refuse_unsupported(body: dict, allowed: set[str]) -> None:
     if unknown:
         raise ProtocolError(f"unsupported field {unknown[0]!r} (this endpoint takes {sorted(allowed)})",
                             param=unknown[0])
-    inert = {"stream": (None, False), "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
+    inert = {"frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
              "logit_bias": (None, {}), "echo": (None, False), "suffix": (None,), "best_of": (None, 1),
-             "top_logprobs": (None, 0), "tool_choice": (None, "none", "auto"), "service_tier": (None, "auto"),
+             "top_logprobs": (None, 0), "service_tier": (None, "auto"),
              "response_format": (None, {"type": "text"})}
     for name, accepted in inert.items():
         if name in body and body[name] not in accepted:
             raise ProtocolError(f"{name}={body[name]!r} is not supported (accepted: {list(accepted)}); the trained "
                                 "tokens must be exactly what the engine sampled", param=name)
+    if body.get("stream") not in (None, False, True):
+        raise ProtocolError(f"stream must be true or false, got {body['stream']!r}", param="stream")
+    if body.get("stream") and body.get("n") not in (None, 1):
+        raise ProtocolError(f"stream=true with n={body['n']!r}: this endpoint streams one choice; send n=1 or "
+                            "stream=false", param="n")
+    options = body.get("stream_options")
+    if options is not None and (not body.get("stream") or not isinstance(options, dict)
+                                or set(options) - {"include_usage"}):
+        raise ProtocolError(f"stream_options={options!r}: only {{include_usage: bool}}, with stream=true",
+                            param="stream_options")
 
 
 def _number(body: dict, name: str, low: float, high: float, default):
@@ -169,9 +184,17 @@ def _cut_at_stop(text: str, stops: Sequence[str]) -> str:
 class EndpointRollout:
     """One rollout's conversations through the endpoint, and its reported reward (see module docstring)."""
 
-    def __init__(self, context: RolloutContext):
+    def __init__(self, context: RolloutContext, tool_parser: ToolCallParser | None = None,
+                 outcomes: dict[str, int] | None = None):
         self.context = context
         self._tokenizer = context.tokenizer
+        self._tool_parser = tool_parser
+        self.outcomes: dict[str, int] = outcomes if outcomes is not None else {}
+        """Tool-call parse outcomes (`tool_calls/<outcome>`) and `new_sample`s (a request that extends no held
+        conversation: a compaction, an edit, a template rendering history differently), counted (shared with the
+        endpoint's other sessions)."""
+        self._calls: dict[str, str] = {}
+        """Id of every tool call this session returned -> the engine's text of the reply that made it."""
         self._text_branches: list[TextSession] = []
         self._token_branches: list[TokenSession] = []
         self._full_replies: dict[str, str] = {}
@@ -190,11 +213,13 @@ class EndpointRollout:
         _refuse_unsupported(body, CHAT_FIELDS)
         self._need_tokenizer("/v1/chat/completions")
         sampling, n = parse_sampling(body, self.context.default_sampling)
-        messages = [self._restore(m) for m in parse_messages(body)]
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise ProtocolError("tools must be a list of tool objects", param="tools")
-        text = self._tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        try:
+            tools = ToolRequest.parse(body)
+        except ToolRequestError as error:
+            raise ProtocolError(str(error), param=error.param) from None
+        messages = self._restore_all(parse_messages(body))
+        text = self._tokenizer.apply_chat_template(messages, tools=tools.tools if tools else None, tokenize=False,
+                                                   add_generation_prompt=True)
         branch = self._text_branch(text)
         generations = await self._sample(self._complete_text(branch, text, sampling, n))
         choices = []
@@ -203,8 +228,14 @@ class EndpointRollout:
             content = _cut_at_stop(full, sampling.stop) if generation.finish_reason == "stop" else full
             if content != full:
                 self._full_replies[content] = full
-            choice = {"index": index, "message": {"role": "assistant", "content": content},
-                      "finish_reason": generation.finish_reason}
+            message, finish_reason = {"role": "assistant", "content": content}, generation.finish_reason
+            if tools is not None:
+                reply = await self._parse_tools(full, tools)
+                if reply.calls:
+                    message = {"role": "assistant", "content": reply.content, "tool_calls": reply.calls}
+                    finish_reason = "tool_calls"
+                    self._calls.update({call["id"]: full for call in reply.calls})
+            choice = {"index": index, "message": message, "finish_reason": finish_reason}
             if body.get("logprobs"):
                 choice["logprobs"] = {"content": [
                     {"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []}
@@ -272,10 +303,42 @@ class EndpointRollout:
             raise ProtocolError(f"{what} needs the checkpoint's tokenizer and this job has none (set "
                                 "closed_loop.tokenizer_dir)", param="messages")
 
-    def _restore(self, message: dict) -> dict:
-        if message["role"] == "assistant" and message["content"] in self._full_replies:
-            return dict(message, content=self._full_replies[message["content"]])
-        return message
+    def _restore_all(self, messages: list[dict]) -> list[dict]:
+        """The messages as the engine's text holds them: a reply returned without its stop string gets it back, and
+        an assistant message carrying calls this session returned becomes the engine's text of that reply (the
+        template never re-renders a call from its parsed JSON). A `tool` message's `tool_call_id`, when it has one,
+        must name a call of this session or of an assistant message in the request."""
+        offered = {call.get("id") for m in messages if m["role"] == "assistant"
+                   for call in (m.get("tool_calls") or []) if isinstance(call, dict)}
+        restored = []
+        for index, message in enumerate(messages):
+            answered = message.get("tool_call_id") if message["role"] == "tool" else None
+            if answered is not None and answered not in self._calls.keys() | offered:
+                raise ProtocolError(f"messages[{index}].tool_call_id={message.get('tool_call_id')!r} answers no tool "
+                                    "call of this session or of this request", param=f"messages[{index}].tool_call_id")
+            if message["role"] == "assistant":
+                calls = [call.get("id") for call in (message.get("tool_calls") or []) if isinstance(call, dict)]
+                if calls and calls[0] in self._calls:
+                    message = {"role": "assistant", "content": self._calls[calls[0]]}
+                elif message["content"] in self._full_replies:
+                    message = dict(message, content=self._full_replies[message["content"]])
+            restored.append(message)
+        return restored
+
+    async def _parse_tools(self, text: str, tools: ToolRequest):
+        if self._tool_parser is None:
+            raise ProtocolError("this job's endpoint parses no tool calls (closed_loop.endpoint.tool_parser=none); "
+                                "send no tools, or set the parser of the checkpoint's call format", param="tools",
+                                status=501)
+        try:
+            reply = await self._tool_parser.parse(text, tools)
+        except ToolParserUnavailable as error:
+            raise ProtocolError(str(error), param="tools", status=501) from None
+        self._count(f"tool_calls/{reply.outcome}")
+        return reply
+
+    def _count(self, outcome: str) -> None:
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
     def _text_branch(self, text: str) -> TextSession:
         for branch in reversed(self._text_branches):
@@ -283,6 +346,8 @@ class EndpointRollout:
                 self._text_branches.remove(branch)
                 self._text_branches.append(branch)  # most recently used last
                 return branch
+        if self._text_branches:  # a compaction, an edit, or a template rendering history differently
+            self._count("new_sample")
         branch = self.context.text_session()
         self._text_branches.append(branch)
         return branch
@@ -345,6 +410,39 @@ class EndpointRollout:
         if body.get("return_token_ids"):
             response["prompt_token_ids"] = [int(t) for t in first.prompt_token_ids]
         return response
+
+
+def stream_chunks(response: dict, include_usage: bool = False) -> list[dict]:
+    """An answer (`chat_completion` / `completion`, one choice) as OpenAI's stream chunks, in order: the role, the
+    content (with its log-probs), each tool call whole, the finish reason, then the usage when asked."""
+    chat = response["object"] == "chat.completion"
+    head = {key: response[key] for key in ("id", "created", "model", "system_fingerprint")}
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    extra = {"usage": None} if include_usage else {}
+    (choice,) = response["choices"]
+
+    def chunk(delta: dict, finish_reason=None, **fields) -> dict:
+        body = {"index": 0, "finish_reason": finish_reason, **fields}
+        body.update({"delta": delta} if chat else delta)
+        return {**head, "choices": [body], **extra}
+
+    if chat:
+        message = choice["message"]
+        chunks = [chunk({"role": "assistant", "content": ""})]
+        if message["content"]:
+            chunks.append(chunk({"content": message["content"]}, **({"logprobs": choice["logprobs"]}
+                                                                    if "logprobs" in choice else {})))
+        for index, call in enumerate(message.get("tool_calls") or []):
+            chunks.append(chunk({"tool_calls": [dict(call, index=index)]}))
+        chunks.append(chunk({}, choice["finish_reason"]))
+    else:
+        chunks = [chunk({"text": choice["text"], "logprobs": choice["logprobs"]}),
+                  chunk({"text": "", "logprobs": None}, choice["finish_reason"])]
+    if "token_ids" in choice:
+        chunks[-1]["choices"][0]["token_ids"] = choice["token_ids"]
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": response["usage"]})
+    return chunks
 
 
 class EndpointSession:

@@ -64,6 +64,8 @@ class GroupOutcome:
     """rollout id -> reward, for the members that finished (all of them unless the group failed)."""
     metrics: dict[str, float]
     """Summed over the members: each metric an agent reported, and `num_samples`."""
+    metric_counts: dict[str, int] = field(default_factory=dict)
+    """Members that reported each metric (a mean is over them: a metric some rollouts omit is not a 0 for them)."""
     failure: tuple[str, int, str] | None = None
     """(drop reason, member, detail) of the first member that failed; None when the group finished."""
 
@@ -93,16 +95,18 @@ async def run_group(agent: Agent, row: dict, contexts: Sequence[RolloutContext],
         if error is not None:
             raise error  # fatal: not the agent's fault
         results[member] = task.result()
-    samples, metrics = [], {"num_samples": 0.0}
+    samples, metrics, counts = [], {"num_samples": 0.0}, {"num_samples": 0}
     for member, (reward, member_metrics, rows) in sorted(results.items()):
         ctx = contexts[member]
         shared = dict(rollout_id=ctx.rollout_id, reward=reward, rollout_size=len(rows), group_id=ctx.group_id,
                       group_size=ctx.group_size)
         samples += [dict(r, sample_index=i, **shared) for i, r in enumerate(rows)]
         metrics["num_samples"] += len(rows)
+        counts["num_samples"] += 1
         for key, value in member_metrics.items():
             metrics[key] = metrics.get(key, 0.0) + float(value)
-    return GroupOutcome(ids, samples, {ids[m]: r[0] for m, r in results.items()}, metrics)
+            counts[key] = counts.get(key, 0) + 1
+    return GroupOutcome(ids, samples, {ids[m]: r[0] for m, r in results.items()}, metrics, counts)
 
 
 async def _run_member(agent: Agent, row: dict, ctx: RolloutContext, timeout_s: float,

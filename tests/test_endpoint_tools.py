@@ -1,0 +1,283 @@
+"""Tool calls and streaming through the agent endpoint, driven by the `openai` client against the live server.
+
+The engine is scripted (tests/test_agent_endpoint.py's TextEngine: known replies, recorded prompts and outputs),
+the parser is vLLM's `hermes`, so each test compares what a sample trains with exactly what the "engine" was
+given and said: the engine's own tokens of a call are kept (never re-rendered from the parsed JSON), only the
+tool results and the template's separators are new context (mask 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import textwrap
+
+import openai
+import pytest
+
+from actors.agent_endpoint import AgentEndpoint, listen_address
+from tests.test_agent_endpoint import END, TOKEN, TOKENIZER, TextEngine, client, encode, post, trained_runs
+from vgbs_ray.agents import AgentResult, RolloutContext, SamplingConfig, run_group
+from vgbs_ray.agents.openai_protocol import stream_chunks
+from vgbs_ray.agents.openai_agent import report_reward
+
+CALC = {"type": "function", "function": {"name": "calc", "description": "adds two integers", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+CALL = '<tool_call>\n{"name": "calc", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
+QUESTION = [{"role": "user", "content": "what is 3 + 4?"}]
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    import threading
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    served = AgentEndpoint(host=listen_address("loopback"), token=TOKEN, tool_parser="hermes")
+    asyncio.run_coroutine_threadsafe(served.start(), loop).result(timeout=30)
+    served.loop = loop
+    yield served
+    asyncio.run_coroutine_threadsafe(served.stop(), loop).result(timeout=30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=30)
+
+
+def open_session(endpoint, engine, rollout_id):
+    ctx = RolloutContext(rollout_id=rollout_id, group_id=rollout_id.split("-")[0], member=0, group_size=2,
+                         engine_generate=engine, tokenizer=TOKENIZER,
+                         default_sampling=SamplingConfig(max_tokens=128, stop_token_ids=(END,)))
+    return ctx, endpoint.open(ctx)
+
+
+def counted(endpoint, outcome: str) -> int:
+    return endpoint.outcomes.get(outcome, 0)
+
+
+def test_a_parsed_call_and_its_result_extend_the_sample_with_the_engines_own_tokens(endpoint):
+    engine = TextEngine([CALL, "it is 7."])
+    ctx, session = open_session(endpoint, engine, "t1-r0")
+    api = client(session)
+    before = counted(endpoint, "tool_calls/called")
+    first = api.chat.completions.create(model="policy", messages=QUESTION, tools=[CALC])
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "calc" and json.loads(call.function.arguments) == {
+        "a": 3, "b": 4}
+    assert counted(endpoint, "tool_calls/called") == before + 1
+    # What an OpenAI-client agent sends back: the assistant message as returned, then the tool's result.
+    messages = QUESTION + [choice.message.model_dump(exclude_none=True),
+                           {"role": "tool", "tool_call_id": call.id, "content": "7"}]
+    second = api.chat.completions.create(model="policy", messages=messages, tools=[CALC])
+    assert second.choices[0].message.content == "it is 7." and second.choices[0].finish_reason == "stop"
+
+    (row,) = ctx.samples()  # one sample: the second request extended the first
+    prompt = encode(TOKENIZER.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True))
+    suffix = engine.prompts[1][len(prompt) + len(engine.outputs[0]):]
+    assert TOKENIZER.decode(suffix) == "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
+    assert row["tokens"].tolist() == prompt + engine.outputs[0] + suffix + engine.outputs[1]
+    assert trained_runs(row) == engine.outputs  # mask 1 exactly on the engine's tokens, the call's included
+    endpoint.close(session)
+
+
+def conversation(api, *, stream: bool) -> tuple[list, list]:
+    """Two turns with a call between them; returns (each turn's (content, calls, finish_reason), the chunks)."""
+    turns, chunks, messages = [], [], list(QUESTION)
+    for _ in range(2):
+        if stream:
+            pieces = list(api.chat.completions.create(model="policy", messages=messages, tools=[CALC], stream=True,
+                                                      stream_options={"include_usage": True}))
+            chunks.append(pieces)
+            content = "".join(p.choices[0].delta.content or "" for p in pieces if p.choices)
+            calls = [c for p in pieces if p.choices for c in (p.choices[0].delta.tool_calls or [])]
+            finish = [p.choices[0].finish_reason for p in pieces if p.choices and p.choices[0].finish_reason]
+            calls = [{"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                                  "arguments": c.function.arguments}} for c in calls]
+            turns.append((content or None, calls, finish[0]))
+        else:
+            choice = api.chat.completions.create(model="policy", messages=messages, tools=[CALC]).choices[0]
+            calls = [c.model_dump() for c in choice.message.tool_calls or []]
+            turns.append((choice.message.content, calls, choice.finish_reason))
+        content, calls, _ = turns[-1]
+        messages.append({"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})})
+        messages += [{"role": "tool", "tool_call_id": c["id"], "content": "7"} for c in calls]
+    return turns, chunks
+
+
+def test_streaming_answers_openai_chunks_and_trains_the_same_tokens(endpoint):
+    plain_ctx, plain = open_session(endpoint, TextEngine([CALL, "it is 7."]), "t2-r0")
+    streamed_ctx, streamed = open_session(endpoint, TextEngine([CALL, "it is 7."]), "t2-r1")
+    plain_turns, _ = conversation(client(plain), stream=False)
+    stream_turns, chunks = conversation(client(streamed), stream=True)
+    strip = [(content, [c["function"] for c in calls], finish) for content, calls, finish in plain_turns]
+    assert strip == [(content, [c["function"] for c in calls], finish) for content, calls, finish in stream_turns]
+    assert strip[0][2] == "tool_calls" and strip[1] == ("it is 7.", [], "stop")
+    first = chunks[0]
+    assert first[0].choices[0].delta.role == "assistant" and first[-1].choices == []  # the usage chunk last
+    assert first[-1].usage.completion_tokens > 0 and all(p.object == "chat.completion.chunk" for p in first)
+    (plain_row,), (streamed_row,) = plain_ctx.samples(), streamed_ctx.samples()
+    for key in ("tokens", "loss_mask", "rollout_log_probs"):
+        assert plain_row[key].tolist() == streamed_row[key].tolist()
+    endpoint.close(plain)
+    endpoint.close(streamed)
+
+
+def test_a_client_gone_mid_stream_leaves_the_session_consistent(endpoint):
+    import urllib.request
+
+    engine = TextEngine(["it is 7.", "yes."])
+    ctx, session = open_session(endpoint, engine, "t2-r2")
+    body = json.dumps({"model": "policy", "messages": QUESTION, "stream": True}).encode()
+    request = urllib.request.Request(f"{session.base_url}/chat/completions", data=body, method="POST", headers={
+        "Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        answer.readline()  # one line of the stream, then the client goes
+    client(session).chat.completions.create(model="policy", messages=QUESTION + [
+        {"role": "assistant", "content": "it is 7."}, {"role": "user", "content": "sure?"}])
+    (row,) = ctx.samples()  # what the engine generated was recorded; the next call extended it
+    assert trained_runs(row) == engine.outputs
+    endpoint.close(session)
+
+
+@pytest.mark.parametrize("reply, tool_choice, parallel, outcome, returns_call", [
+    ("it is 7.", "required", True, "required_unmet", False),
+    ("it is 7.", {"type": "function", "function": {"name": "calc"}}, True, "required_unmet", False),
+    (CALL, "none", True, None, False),
+    (CALL + CALL.replace("3", "5"), "auto", False, "parallel_cut", True),
+    ('<tool_call>\n{"name": "calc", "arguments": {"a": 3\n</tool_call>', "auto", True, "unparseable", False),
+    ('<tool_call>\n{"name": "divide", "arguments": {"a": 3, "b": 4}}\n</tool_call>', "auto", True, "unknown_function",
+     False),
+    ('<tool_call>\n{"name": "calc", "arguments": {"a": "three"}}\n</tool_call>', "required", True, "bad_arguments",
+     False),
+])
+def test_tool_choice_and_bad_calls_answer_text_and_count_never_a_500(endpoint, reply, tool_choice, parallel, outcome,
+                                                                      returns_call):
+    ctx, session = open_session(endpoint, TextEngine([reply]), "t3-r0")
+    before = counted(endpoint, f"tool_calls/{outcome}")
+    answer = client(session).chat.completions.create(model="policy", messages=QUESTION, tools=[CALC],
+                                                     tool_choice=tool_choice, parallel_tool_calls=parallel)
+    choice = answer.choices[0]
+    if returns_call:
+        assert len(choice.message.tool_calls) == 1 and choice.finish_reason == "tool_calls"
+    else:
+        assert choice.message.tool_calls is None and choice.message.content == reply and choice.finish_reason == "stop"
+    if outcome is not None:
+        assert counted(endpoint, f"tool_calls/{outcome}") == before + 1
+    endpoint.close(session)
+
+
+@pytest.mark.parametrize("fields, param", [
+    (dict(tools={"calc": CALC}), "tools"),
+    (dict(tools=[{"type": "function", "function": {"description": "no name"}}]), "tools[0].function.name"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]),
+     "tools[0].function.parameters"),
+    (dict(tools=[CALC], tool_choice="sometimes"), "tool_choice"),
+    (dict(tool_choice="required"), "tool_choice"),
+    (dict(stream=True, n=2), "n"),
+    (dict(stream_options={"include_usage": True}), "stream_options"),
+])
+def test_malformed_tool_and_stream_fields_are_400s_naming_the_field(endpoint, fields, param):
+    ctx, session = open_session(endpoint, TextEngine([]), "t4-r0")
+    status, body = post(f"{session.base_url}/chat/completions",
+                        json.dumps({"model": "policy", "messages": QUESTION, **fields}).encode(),
+                        {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    assert status == 400 and body["error"]["param"] == param, body
+    if param == "n":
+        assert "stream" in body["error"]["message"]
+    endpoint.close(session)
+
+
+def test_a_tool_result_for_no_call_of_the_session_is_a_400(endpoint):
+    ctx, session = open_session(endpoint, TextEngine([]), "t5-r0")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client(session).chat.completions.create(model="policy", tools=[CALC], messages=QUESTION + [
+            {"role": "tool", "tool_call_id": "call_nobody", "content": "7"}])
+    assert refused.value.body["param"] == "messages[1].tool_call_id"
+    endpoint.close(session)
+
+
+def test_a_call_the_template_renders_differently_starts_a_counted_new_sample(endpoint):
+    """An assistant message with calls this session never returned (an agent's own history) is rendered by the
+    chat template; where that does not extend the held ids, the documented restart happens: a new sample."""
+    engine = TextEngine([CALL, "it is 7."])
+    ctx, session = open_session(endpoint, engine, "t6-r0")
+    api = client(session)
+    api.chat.completions.create(model="policy", messages=QUESTION, tools=[CALC])
+    before = counted(endpoint, "new_sample")
+    edited = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_mine", "type": "function", "function": {"name": "calc", "arguments": '{"a": 3, "b": 4}'}}]}
+    api.chat.completions.create(model="policy", tools=[CALC], messages=QUESTION + [
+        edited, {"role": "tool", "tool_call_id": "call_mine", "content": "7"}])
+    assert counted(endpoint, "new_sample") == before + 1
+    assert [trained_runs(row) for row in ctx.samples()] == [[engine.outputs[0]], [engine.outputs[1]]]
+    endpoint.close(session)
+
+
+def test_a_late_reward_report_to_an_ended_session_is_a_409(endpoint):
+    _, session = open_session(endpoint, TextEngine([]), "t7-r0")
+    report_reward(session.base_url, TOKEN, 1.0)
+    endpoint.close(session)
+    status, body = post(session.reward_url, b'{"reward": 0.0}', {"Authorization": f"Bearer {TOKEN}"})
+    assert status == 409 and "ended" in body["error"]["message"]
+    status, _ = post(session.reward_url.replace("t7-r0", "t7-r9"), b'{"reward": 0.0}',
+                     {"Authorization": f"Bearer {TOKEN}"})
+    assert status == 404  # a session that never existed
+
+
+def test_the_chunks_of_a_completion_carry_text_then_the_finish_reason():
+    answer = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "policy",
+              "system_fingerprint": "policy-v1", "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+              "choices": [{"index": 0, "text": "42", "finish_reason": "stop", "logprobs": None}]}
+    chunks = stream_chunks(answer)
+    assert [c["choices"][0]["text"] for c in chunks] == ["42", ""]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, "stop"]
+
+
+def test_a_metric_some_rollouts_omit_is_averaged_over_those_that_report_it():
+    async def agent(row, ctx: RolloutContext):
+        ctx.add_sample([1, 2, 3], [1])
+        return AgentResult(reward=float(ctx.member), metrics={"turns": 2.0} if ctx.member == 0 else {})
+
+    contexts = [RolloutContext(rollout_id=f"m-r{m}", group_id="m", member=m, group_size=3, engine_generate=None)
+                for m in range(3)]
+    outcome = asyncio.run(run_group(agent, {}, contexts, timeout_s=10))
+    assert outcome.metrics["turns"] == 2.0 and outcome.metric_counts["turns"] == 1
+    assert outcome.metric_counts["num_samples"] == 3
+
+
+HUNG_RUN = textwrap.dedent("""
+    import asyncio, threading
+    from vgbs_ray.agents.openai_agent import make_agent
+    from vgbs_ray.agents.openai_protocol import EndpointRollout
+
+    def run(row, base_url, api_key):
+        threading.Event().wait()  # a sync run that never returns
+
+    class Session:
+        base_url, api_key = "http://127.0.0.1:9/v1", "x"
+
+    class Context:
+        endpoint = Session()
+
+    async def main():
+        Session.rollout = type("R", (), {"result": lambda self: asyncio.sleep(3600)})()
+        agent = make_agent("__main__:run")
+        try:
+            await asyncio.wait_for(agent({}, Context()), timeout=0.5)
+        except asyncio.TimeoutError:
+            print("timed out", flush=True)
+
+    asyncio.run(main())
+""")
+
+
+def test_a_sync_run_that_never_returns_does_not_hold_the_process_at_exit(tmp_path):
+    """The hung-thread leak: a ThreadPoolExecutor's exit hook joined the hung thread forever. The process exits."""
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG_RUN)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    assert done.returncode == 0 and "timed out" in done.stdout, done.stderr
