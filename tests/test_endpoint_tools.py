@@ -281,3 +281,26 @@ def test_a_sync_run_that_never_returns_does_not_hold_the_process_at_exit(tmp_pat
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
                           cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]))
     assert done.returncode == 0 and "timed out" in done.stdout, done.stderr
+
+
+# -- agent frameworks, unchanged, against the endpoint (the examples' own code) ----------------------------------
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("run", ["examples.agents_sdk_agent:run", "examples.langgraph_agent:run"])
+def test_a_framework_agent_calls_the_tool_and_trains_exactly_what_the_engine_said(endpoint, run, streaming):
+    from vgbs_ray.agents.openai_agent import make_agent
+
+    engine = TextEngine(['<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>', "It is 7."])
+    ctx, _ = open_session(endpoint, engine, "f1-r0")
+    agent = make_agent(run, {"streaming": streaming})
+    future = asyncio.run_coroutine_threadsafe(agent({"a": 3, "b": 4}, ctx), endpoint.loop)
+    assert future.result(timeout=60) == 1.0  # the framework ran the tool on our parsed call, then answered
+    assert len(engine.prompts) == 2
+    (row,) = ctx.samples()  # the framework's second request extended the first: one sample
+    first_prompt = engine.prompts[0]
+    tool_result = engine.prompts[1][len(first_prompt) + len(engine.outputs[0]):]
+    assert "7" in TOKENIZER.decode(tool_result) and "<|im_start|>assistant" in TOKENIZER.decode(tool_result)
+    assert row["tokens"].tolist() == first_prompt + engine.outputs[0] + tool_result + engine.outputs[1]
+    assert trained_runs(row) == engine.outputs  # mask 1 exactly on the engine's tokens
+    endpoint.close(ctx.endpoint)
