@@ -45,6 +45,8 @@ from vgbs_ray.errors import ConfigError
 log = logging.getLogger("vgbs.endpoint")
 
 SESSION_HEADER = "X-Session-Id"
+ROLLOUT_HEADER = "X-Rollout-Id"
+"""Every completion's answer names the rollout it trains as."""
 ENDED_SESSIONS_KEPT = 100_000
 """Ended session ids remembered for a late reward report's 409 (~100 bytes each)."""
 
@@ -171,18 +173,19 @@ class AgentEndpoint:
                 rollout.fatal_error = error
                 return web.json_response({"error": {"message": f"the engines failed: {error!r}", "type": "api_error",
                                                     "param": None, "code": None}}, status=503)
+            headers = {ROLLOUT_HEADER: str(rollout.context.rollout_id)}
             if body.get("stream"):
                 return await _stream(request, stream_chunks(answer, (body.get("stream_options") or {}).get(
-                    "include_usage", False)))
-            return web.json_response(answer)
+                    "include_usage", False)), headers)
+            return web.json_response(answer, headers=headers)
 
         return handle
 
 
-async def _stream(request: web.Request, chunks: list[dict]) -> web.StreamResponse:
+async def _stream(request: web.Request, chunks: list[dict], headers: dict) -> web.StreamResponse:
     """Server-sent events: one `data:` line per chunk, then `data: [DONE]`. A client gone mid-stream changes
     nothing: the generation was recorded before the first chunk."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     await response.prepare(request)
     try:
         for chunk in chunks:

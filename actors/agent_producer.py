@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -51,6 +52,7 @@ from actors.agent_endpoint import AgentEndpoint, listen_address
 from actors.engine_version_watch import EngineVersionWatch
 from actors.rollout_engine import EngineError
 from vgbs_ray.agents import RequestTooLongError, RolloutContext, SamplingConfig, load_agent, resolve, run_group
+from vgbs_ray.agents.sample_record import SampleRecord
 from vgbs_ray.checkpoint_files import load_tokenizer
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.prompt_source import DatasetPrompts, GeneratedPrompts, producer_positions, source_length
@@ -126,6 +128,9 @@ class AgentProducerConfig:
     """The token every endpoint request must carry (the job makes one per run)."""
     tool_parser: str | None = None
     """The vLLM tool parser the endpoint parses replies to requests with `tools` with (None: tools are refused)."""
+    record_samples_dir: str | None = None
+    """Append every pushed rollout's samples (ids, mask, versions) to producer-<index>.jsonl in this directory
+    (vgbs_ray/agents/sample_record.py); None: no record."""
     sample_push_fraction: float = 0.0
     """Share of groups pushed one sample per submit call (see module docstring). Their rollouts are pushed
     again whole by a resumed producer and the scheduler rejects the samples it holds, so the agent must
@@ -290,6 +295,8 @@ class AgentProducer:
         self._running = False
         self._finished = asyncio.Event()
         self._endpoint: AgentEndpoint | None = None
+        self._record = (SampleRecord(os.path.join(config.record_samples_dir, f"producer-{self._index}.jsonl"))
+                        if config.record_samples_dir else None)
 
     # -- the actor's API -----------------------------------------------------------------
 
@@ -426,6 +433,8 @@ class AgentProducer:
             pushed = await self._push(samples)
         if not pushed:
             return False
+        if self._record is not None:
+            self._record.write(samples)
         self._admitted.pop(local, None)
         rewards = list(outcome.rewards.values())
         self._counts["groups"] += 1

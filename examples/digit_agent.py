@@ -34,11 +34,13 @@ VOCABULARY = DIGITS + [USER, ASSISTANT, END] + FEEDBACK + [PAD]
 """Token id = position: the digits are ids 0..9."""
 CHAT_TEMPLATE = (
     "{% for m in messages %}"
-    "{% if m['role'] == 'user' %}<|user|> {{ m['content'] }} "
-    "{% elif m['role'] == 'assistant' %}<|assistant|> {{ m['content'] }} <|end|> {% endif %}"
+    "{% if m['role'] == 'assistant' %}<|assistant|> {{ m['content'] }} <|end|> "
+    "{% else %}<|user|> {{ m['content'] }} {% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
 )
+"""Every role is rendered: assistant turns as the policy's, every other (user, system, tool) as input after
+<|user|> (the vocabulary has no marker of its own for them)."""
 
 RULES = {
     "successor_of_last": lambda digits: (digits[-1] + 1) % 10,

@@ -175,7 +175,9 @@ class ClosedLoop:
             max_sequence_length=config.train.model.max_position_embeddings, seed=loop_config.seed,
             endpoint_host=endpoint.host if endpoint.enabled else None,
             endpoint_token=endpoint_token(config.run.output_dir) if endpoint.enabled else None,
-            tool_parser=endpoint.resolved_tool_parser(config.train.model.family))
+            tool_parser=endpoint.resolved_tool_parser(config.train.model.family),
+            record_samples_dir=(os.path.join(os.path.abspath(config.run.output_dir), "samples")
+                                if loop_config.record_samples else None))
 
     def start(self, config, group, *, on_recovery=None) -> None:
         """`group`'s current weights to the engines as `policy_version` (waits for the engines and the load),

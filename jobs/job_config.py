@@ -216,10 +216,13 @@ class ClosedLoopConfig:
     timeout_s: float = 300.0
     """Seconds one rollout (one agent call) may run; past it the group is dropped as `agent_timeout`."""
     endpoint: EndpointConfig = field(default_factory=EndpointConfig)
+    """An OpenAI-compatible endpoint over the rollouts, for agents written against an OpenAI client."""
+    record_samples: bool = False
+    """Write every pushed rollout's samples (token ids, loss mask, policy versions) to
+    <output_dir>/samples/producer-<i>.jsonl, on each producer's node (docs/agents.md, "Checking your agent")."""
     sample_push_fraction: float = 0.0
     """Share of groups pushed one sample per call (the push API's sibling-by-sibling path, interleaved with other
     groups) instead of whole; for agents that give the same samples on every run (docs/agents.md)."""
-    """An OpenAI-compatible endpoint over the rollouts, for agents written against an OpenAI client."""
     seed: int = 0
     """Prompt generation and sampling seeds derive from it."""
 
@@ -270,6 +273,8 @@ class JobConfig:
         model = self.train.model
         if self.closed_loop.enabled:
             self._check_closed_loop()
+        else:
+            self._check_no_engines()
         if self.scheduler.max_staleness is not None:
             raise ConfigError(f"scheduler.max_staleness={self.scheduler.max_staleness}: the job has one staleness bound, "
                               "train.loss.off_policy.max_staleness (the loss corrects for it and the scheduler enforces "
@@ -281,6 +286,17 @@ class JobConfig:
         if intake.max_sequence_length is not None and intake.max_sequence_length > model.max_position_embeddings:
             raise ConfigError(f"scheduler.intake.max_sequence_length={intake.max_sequence_length} exceeds "
                               f"train.model.max_position_embeddings={model.max_position_embeddings}")
+
+    def _check_no_engines(self) -> None:
+        """closed_loop.enabled=false turns the rollout engines off: an agent that samples them cannot run."""
+        loop = self.closed_loop
+        if loop.endpoint.enabled:
+            raise ConfigError("closed_loop.endpoint.enabled=true serves the rollout engines, which "
+                              "closed_loop.enabled=false turns off: set closed_loop.enabled=true, or turn the endpoint off")
+        if loop.agent.split(":")[0] == DIGIT_AGENT:
+            raise ConfigError(f"closed_loop.enabled=false turns the rollout engines off, but closed_loop.agent="
+                              f"{loop.agent} samples them (ctx.chat): keep closed_loop.enabled=true, or run an agent "
+                              "that makes its samples itself (ctx.add_sample), e.g. --preset synthetic")
 
     def _check_closed_loop(self) -> None:
         loop, model = self.closed_loop, self.train.model

@@ -37,6 +37,21 @@ _LINE_METRICS = ("loss", "reward", "log_prob_mismatch")
 """The trainer's metrics a StepLine has a field for; the rest are the loss's own (`StepLine.loss_metrics`)."""
 
 
+def input_failure(summary: dict, num_steps: int | None) -> str | None:
+    """Why a run that ended without a raised error still failed, or None: every producer failed, or some failed
+    and the run trained fewer steps than asked (its input died, as opposed to input that ended by design)."""
+    producers, steps = summary["producers"], summary["steps"]
+    if not producers["failed"]:
+        return None
+    if producers["finished"] + producers["stopped"] == 0:
+        return (f"every producer failed ({producers['failed']}, after {len(producers['restarts'])} restarts): the run "
+                f"trained {steps} steps; the producers' errors are in the log above")
+    if num_steps is not None and steps < num_steps:
+        return (f"{producers['failed']} producer(s) failed and the run trained {steps} of run.num_steps={num_steps} "
+                "steps: its input died before the run ended; the producers' errors are in the log above")
+    return None
+
+
 def producers_outcome(watches: list[ProducerWatch]) -> dict:
     """How the producers ended, summed over every producer watch of the run (one per scheduler it had)."""
     outcomes = [watch.outcome() for watch in watches]

@@ -44,7 +44,7 @@ from jobs.job_metrics import JobMetrics
 from jobs.metric_names import counters_from_stats, step_values
 from jobs.producer_watch import ProducerWatch, stop_producers
 from jobs.progress import StepLine, StepRecorder, plot_records, read_records
-from jobs.summary import closed_loop_summary, producers_outcome, step_line, summarize
+from jobs.summary import closed_loop_summary, input_failure, producers_outcome, step_line, summarize
 from jobs.recovery import RECOVERABLE_ERRORS, JobFailedError, TrainController, job_scheduler_config
 from jobs.tracking import Tracker
 from vgbs_ray.checkpoint_files import tokenizer_size
@@ -391,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     if config.run.plot and os.path.exists(records_path):
         plot_records(read_records(records_path), os.path.join(out, "steps.png"))
         print(f"plot: {os.path.join(out, 'steps.png')}", flush=True)
+    failure = input_failure(summary, config.run.num_steps)
+    if failure is not None:  # the summary and records are written: the run's outputs say what happened
+        raise JobFailedError(failure)
     return 0
 
 

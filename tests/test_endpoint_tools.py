@@ -61,7 +61,9 @@ def test_a_parsed_call_and_its_result_extend_the_sample_with_the_engines_own_tok
     ctx, session = open_session(endpoint, engine, "t1-r0")
     api = client(session)
     before = counted(endpoint, "tool_calls/called")
-    first = api.chat.completions.create(model="policy", messages=QUESTION, tools=[CALC])
+    raw = api.chat.completions.with_raw_response.create(model="policy", messages=QUESTION, tools=[CALC])
+    assert raw.headers["X-Rollout-Id"] == session.rollout_id == "t1-r0"  # what an outside agent trains as
+    first = raw.parse()
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -304,3 +306,34 @@ def test_a_framework_agent_calls_the_tool_and_trains_exactly_what_the_engine_sai
     assert row["tokens"].tolist() == first_prompt + engine.outputs[0] + tool_result + engine.outputs[1]
     assert trained_runs(row) == engine.outputs  # mask 1 exactly on the engine's tokens
     endpoint.close(ctx.endpoint)
+
+
+def test_a_message_the_template_drops_is_reported_once_per_role(endpoint, caplog):
+    from tests.agent_support import bpe_chat_tokenizer
+
+    users_only = ("{% for m in messages %}{% if m['role'] == 'user' %}<|im_start|>user\n{{ m['content'] }}<|im_end|>\n"
+                  "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    ctx = RolloutContext(rollout_id="d1-r0", group_id="d1", member=0, group_size=1, engine_generate=TextEngine(
+        ["ok.", "ok."]), tokenizer=bpe_chat_tokenizer(users_only), default_sampling=SamplingConfig(
+        max_tokens=16, stop_token_ids=(END,)))
+    session = endpoint.open(ctx)
+    before = counted(endpoint, "dropped_message/system")
+    messages = [{"role": "system", "content": "be brief"}] + QUESTION
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            client(session).chat.completions.create(model="policy", messages=messages)
+    assert counted(endpoint, "dropped_message/system") == before + 1  # once per session and role
+    assert sum("dropped a 'system' message" in record.message for record in caplog.records) == 1
+    endpoint.close(session)
+
+
+def test_the_demo_template_renders_every_role():
+    from vgbs_ray.agents.session import dropped_roles
+    from vgbs_ray.checkpoint_files import load_tokenizer
+
+    tokenizer = load_tokenizer("examples/digit_tokenizer")
+    messages = [{"role": "system", "content": "3"}, {"role": "user", "content": "1 2"},
+                {"role": "assistant", "content": "4"}, {"role": "tool", "content": "higher"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert dropped_roles(messages, text) == []
+    assert text == "<|user|> 3 <|user|> 1 2 <|assistant|> 4 <|end|> <|user|> higher <|assistant|> "

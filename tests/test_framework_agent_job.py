@@ -72,7 +72,7 @@ def test_agents_sdk_and_langgraph_agents_train_three_steps(tmp_path, cluster_add
              "closed_loop.prompts=examples.calculator_agent:make_prompts", f"closed_loop.tokenizer_dir={tokenizer_dir}",
              "closed_loop.group_size=4", "closed_loop.groups_in_flight=2", "closed_loop.num_producers=1",
              "closed_loop.timeout_s=120", "closed_loop.engines.max_model_len=256", "train.model.vocab_size=400",
-             "scheduler.batch.global_batch_size=8"]
+             "scheduler.batch.global_batch_size=8", "closed_loop.record_samples=true"]
     # Run from the user's directory (as `python -m jobs.train` there), attached to the tests' cluster.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-m", "jobs.train", *[a for item in items for a in ("--set", item)]],
@@ -87,3 +87,10 @@ def test_agents_sdk_and_langgraph_agents_train_three_steps(tmp_path, cluster_add
     pushed = [json.loads(line) for line in record.read_text().splitlines()]
     assert {row["framework"] for row in pushed} == {"agents_sdk", "langgraph"}
     assert all(row["masks"] and all(any(mask) for mask in row["masks"]) for row in pushed)  # each sample trains tokens
+    # the opt-in record of what was pushed: the same rollouts and masks the agents saw in their sessions
+    recorded = {row["rollout_id"]: row for row in map(json.loads, (out / "samples" / "producer-0.jsonl").read_text()
+                                                      .splitlines())}
+    assert {row["rollout_id"] for row in pushed} >= set(recorded) and recorded
+    for row in pushed:
+        if row["rollout_id"] in recorded:
+            assert [s["loss_mask"] for s in recorded[row["rollout_id"]]["samples"]] == row["masks"]

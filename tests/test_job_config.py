@@ -49,9 +49,12 @@ def test_the_synthetic_preset_is_a_whole_config_and_explicit_keys_still_win():
     assert config.train.optimizer.lr_schedule.lr == 1e-4
     mine = load_job_config(None, ["preset=synthetic", "scheduler.batch.global_batch_size=6"])
     assert mine.scheduler.batch.global_batch_size == 6 and mine.run.num_steps == 8
-    # Engines off on the closed-loop preset is only that: no other default changes.
-    engines_off = load_job_config(None, ["closed_loop.enabled=false"])
-    assert engines_off == replace(JobConfig(), closed_loop=replace(JobConfig().closed_loop, enabled=False))
+    # Engines off on the closed-loop preset is only that: no other default changes (with an agent that makes
+    # its own samples; the digit agent samples the engines, which is refused).
+    own_samples = ["closed_loop.enabled=false", "closed_loop.agent=examples.synthetic_agent:make_agent"]
+    engines_off = load_job_config(None, own_samples)
+    assert engines_off == replace(JobConfig(), closed_loop=replace(
+        JobConfig().closed_loop, enabled=False, agent="examples.synthetic_agent:make_agent"))
     assert engines_off.scheduler_with_model_limits().max_staleness is None
     # The closed loop hands the loss's bound to the scheduler.
     assert load_job_config().scheduler_with_model_limits().max_staleness == 1
@@ -226,3 +229,25 @@ def test_a_loss_that_wants_centred_advantages_sets_the_scheduler_so():
     assert resolve_loss(dr_grpo).scheduler.intake.advantage_std is False  # ... and what the job runs
     default = load_job_config()
     assert resolve_loss(default) == default
+
+
+def test_turning_the_engines_off_under_an_agent_that_samples_them_is_refused_before_ray():
+    with pytest.raises(ConfigError, match=r"closed_loop.enabled=false turns the rollout engines off, but "
+                                          r"closed_loop.agent=examples.digit_agent:make_agent samples them.*--preset synthetic"):
+        load_job_config(None, ["closed_loop.enabled=false"])
+    with pytest.raises(ConfigError, match=r"closed_loop.endpoint.enabled=true serves the rollout engines"):
+        load_job_config(None, ["preset=synthetic", "closed_loop.endpoint.enabled=true"])
+    assert not load_job_config(None, ["preset=synthetic"]).closed_loop.enabled  # an agent making its own samples
+
+
+def test_a_run_whose_input_died_is_a_failure_and_one_whose_input_ended_is_not():
+    from jobs.summary import input_failure
+
+    def summary(steps, failed, finished, stopped=0):
+        return {"steps": steps, "producers": {"failed": failed, "finished": finished, "stopped": stopped,
+                                              "restarts": [{"producer": 0}] * failed}}
+
+    assert "every producer failed (2, after 2 restarts): the run trained 0 steps" in input_failure(summary(0, 2, 0), 100)
+    assert "1 producer(s) failed and the run trained 3 of run.num_steps=100" in input_failure(summary(3, 1, 1), 100)
+    assert input_failure(summary(8, 0, 2), 100) is None  # prompts ended by design: a shorter run, not a failure
+    assert input_failure(summary(100, 1, 1), 100) is None  # a producer lost, every step trained

@@ -43,7 +43,7 @@ from typing import Any, Sequence
 from vgbs_ray.agents.context import RolloutContext
 from vgbs_ray.agents.generation import Generation, RequestTooLongError, SamplingConfig
 from vgbs_ray.agents.rollout import TOO_LONG, AgentResult
-from vgbs_ray.agents.session import TextSession, TokenSession
+from vgbs_ray.agents.session import TextSession, TokenSession, report_dropped
 from vgbs_ray.agents.tool_calls import ToolCallParser, ToolParserUnavailable, ToolRequest, ToolRequestError
 from vgbs_ray.errors import ConfigError, VgbsError
 
@@ -193,6 +193,8 @@ class EndpointRollout:
         """Tool-call parse outcomes (`tool_calls/<outcome>`) and `new_sample`s (a request that extends no held
         conversation: a compaction, an edit, a template rendering history differently), counted (shared with the
         endpoint's other sessions)."""
+        self._dropped: set[str] = set()
+        """Roles the chat template dropped from a rendering of this session (reported once each)."""
         self._calls: dict[str, str] = {}
         """Id of every tool call this session returned -> the engine's text of the reply that made it."""
         self._text_branches: list[TextSession] = []
@@ -220,6 +222,8 @@ class EndpointRollout:
         messages = self._restore_all(parse_messages(body))
         text = self._tokenizer.apply_chat_template(messages, tools=tools.tools if tools else None, tokenize=False,
                                                    add_generation_prompt=True)
+        for role in report_dropped(messages, text, self._dropped, f"session of rollout {self.context.rollout_id!r}"):
+            self._count(f"dropped_message/{role}")
         branch = self._text_branch(text)
         generations = await self._sample(self._complete_text(branch, text, sampling, n))
         choices = []
@@ -457,6 +461,8 @@ class EndpointSession:
 
     def __init__(self, *, address: str, session_id: str, api_key: str, rollout: EndpointRollout):
         self.session_id = session_id
+        self.rollout_id = rollout.context.rollout_id
+        """The rollout everything sent to this session trains as (also each answer's `X-Rollout-Id` header)."""
         self.base_url = f"{address}/sessions/{session_id}/v1"
         self.reward_url = f"{address}/sessions/{session_id}/reward"
         self.api_key = api_key

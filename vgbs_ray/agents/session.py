@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -34,6 +35,8 @@ import numpy as np
 
 from vgbs_ray.agents.generation import Generation, SamplingConfig
 from vgbs_ray.errors import VgbsError
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from vgbs_ray.agents.context import RolloutContext
@@ -201,6 +204,24 @@ class TextSession:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
 
+def dropped_roles(messages: Sequence[dict], rendered: str) -> list[str]:
+    """The roles of messages whose text the rendering does not hold: a chat template that drops them (e.g. one
+    that renders only user and assistant turns). The model never sees those messages; the caller reports it."""
+    return sorted({m["role"] for m in messages if isinstance(m.get("content"), str) and m["content"].strip()
+                   and m["content"].strip() not in rendered})
+
+
+def report_dropped(messages: Sequence[dict], rendered: str, reported: set[str], where: str) -> list[str]:
+    """Log, once per role per conversation (`reported`, updated), messages the template dropped; returns the newly
+    reported roles."""
+    new = [role for role in dropped_roles(messages, rendered) if role not in reported]
+    for role in new:
+        log.warning("%s: the chat template dropped a %r message (its text is not in the rendering): the model never "
+                    "sees it; render every role the agent sends", where, role)
+    reported.update(new)
+    return new
+
+
 class ChatSession(TextSession):
     """A conversation rendered with the tokenizer's chat template, incrementally (see module docstring).
 
@@ -214,6 +235,8 @@ class ChatSession(TextSession):
         self.messages: list[dict] = [dict(m) for m in messages]
         self._tools = list(tools) if tools else None
         self._template_kwargs = dict(chat_template_kwargs or {})
+        self.dropped_roles: set[str] = set()
+        """Roles of messages the chat template dropped from a rendering (each reported once, as a warning)."""
 
     def fork(self) -> "ChatSession":
         forked = super().fork()
@@ -221,10 +244,13 @@ class ChatSession(TextSession):
         return forked
 
     def render(self, messages: Sequence[dict] | None = None, tools: Sequence[dict] | None = None) -> str:
-        """The chat template's text for `messages` (default: the session's) with the generation prompt."""
-        return self._tokenizer.apply_chat_template(
-            list(self.messages if messages is None else messages), tools=tools or self._tools, tokenize=False,
-            add_generation_prompt=True, **self._template_kwargs)
+        """The chat template's text for `messages` (default: the session's) with the generation prompt; a message
+        the template drops is reported (`dropped_roles`)."""
+        messages = list(self.messages if messages is None else messages)
+        text = self._tokenizer.apply_chat_template(messages, tools=tools or self._tools, tokenize=False,
+                                                   add_generation_prompt=True, **self._template_kwargs)
+        report_dropped(messages, text, self.dropped_roles, f"rollout {self._context.rollout_id!r}")
+        return text
 
     async def generate(self, sampling: SamplingConfig | None = None) -> str:
         """The assistant's next reply: renders the messages, appends only the new suffix's tokens
