@@ -63,7 +63,7 @@ def endpoint():
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    served = AgentEndpoint(host=listen_address("loopback"), token=TOKEN)
+    served = AgentEndpoint(host=listen_address("loopback"), token=TOKEN, tool_parser="hermes")  # vLLM's, for `tools`
     asyncio.run_coroutine_threadsafe(served.start(), loop).result(timeout=30)
     served.loop = loop
     yield served

@@ -17,8 +17,8 @@ import textwrap
 import openai
 import pytest
 
-from actors.agent_endpoint import AgentEndpoint, listen_address
-from tests.test_agent_endpoint import END, TOKEN, TOKENIZER, TextEngine, client, encode, post, trained_runs
+from tests.test_agent_endpoint import (END, TOKEN, TOKENIZER, TextEngine, client, encode, endpoint,  # noqa: F401
+                                      post, trained_runs)
 from vgbs_ray.agents import AgentResult, RolloutContext, SamplingConfig, run_group
 from vgbs_ray.agents.openai_protocol import stream_chunks
 from vgbs_ray.agents.openai_agent import report_reward
@@ -27,22 +27,6 @@ CALC = {"type": "function", "function": {"name": "calc", "description": "adds tw
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
 CALL = '<tool_call>\n{"name": "calc", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
 QUESTION = [{"role": "user", "content": "what is 3 + 4?"}]
-
-
-@pytest.fixture(scope="module")
-def endpoint():
-    import threading
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    served = AgentEndpoint(host=listen_address("loopback"), token=TOKEN, tool_parser="hermes")
-    asyncio.run_coroutine_threadsafe(served.start(), loop).result(timeout=30)
-    served.loop = loop
-    yield served
-    asyncio.run_coroutine_threadsafe(served.stop(), loop).result(timeout=30)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=30)
 
 
 def open_session(endpoint, engine, rollout_id):

@@ -11,14 +11,13 @@ attention): its part of the reduction (one SUM over CP of the pre-pass's sums) h
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
 
 import numpy as np
 import pytest
 
 from actors.train_config import LossConfig
-from tests.train_support import (assert_same_update, inprocess_trainer, loss_cases_worker, make_samples, sgd_config,
-                                 update_between)
+from tests.train_support import (assert_same_update, inprocess_trainer, loss_cases_worker, make_samples,
+                                 run_two_ranks, sgd_config, update_between)
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.losses import CorrectionConfig
 from vgbs_ray.metrics import reduce_metric_pairs
@@ -65,27 +64,8 @@ def _shards(samples, dp_size: int):
 
 def _spawned(pp_size: int, cases: list, initial: dict) -> dict:
     """{case: (update, metric pairs summed over the ranks)} from two spawned ranks."""
-    from actors.distributed import find_free_port
-
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = find_free_port()
-    procs = [context.Process(target=loss_cases_worker, args=(rank, port, pp_size, cases, initial, results))
-             for rank in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        reports = [results.get(timeout=300) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    for rank, _, error in reports:
-        assert error is None, f"rank {rank}: {error}"
-    by_rank = dict((rank, by_case) for rank, by_case, _ in reports)
-    return {name: (by_rank[0][name][0], reduce_metric_pairs([by_rank[0][name][1], by_rank[1][name][1]]))
-            for name in by_rank[0]}
+    (_, first, _), (_, second, _) = run_two_ranks(loss_cases_worker, pp_size, cases, initial)
+    return {name: (first[name][0], reduce_metric_pairs([first[name][1], second[name][1]])) for name in first}
 
 
 @pytest.fixture(scope="module")

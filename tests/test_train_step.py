@@ -8,14 +8,13 @@ two gloo ranks here.
 
 from __future__ import annotations
 
-import multiprocessing
 import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
-from tests.train_support import (assert_same_update, inprocess_trainer, make_samples, record_collectives_worker,
+from tests.train_support import (assert_same_update, inprocess_trainer, make_samples, record_collectives_worker, run_two_ranks,
                            reference_update, relative_difference, sgd_config, update_between)
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.lr_schedule import LRScheduleConfig, lr_at
@@ -113,25 +112,7 @@ def test_variable_size_steps_24_then_8_rollouts():
 
 def _record_collectives(shards_by_phase: dict, pp_size: int = 1) -> list:
     """Run each phase's shards on two spawned gloo ranks; per rank: (rank, {phase: (calls, count)}, params, error)."""
-    from actors.distributed import find_free_port
-
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = find_free_port()
-    procs = [context.Process(target=record_collectives_worker, args=(rank, port, shards_by_phase, results, pp_size))
-             for rank in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        reports = [results.get(timeout=180) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    for rank, _, _, error in reports:
-        assert error is None, f"rank {rank}: {error}"
-    return sorted(reports, key=lambda report: report[0])
+    return run_two_ranks(record_collectives_worker, shards_by_phase, pp_size, timeout_s=180)
 
 
 def test_a_step_issues_only_the_gradient_and_grad_norm_sums():

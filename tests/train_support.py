@@ -133,13 +133,41 @@ def reference_update(model_config: ModelConfig, model_state: dict | None, sample
     return {name: (-lr * p.grad.double()).numpy() for name, p in model.named_parameters()}
 
 
+# -- two spawned gloo ranks ------------------------------------------------------------------
+
+def run_two_ranks(worker, *args, timeout_s: float = 300) -> list[tuple]:
+    """`worker(rank, port, *args, results)` in two spawned processes joined in one gloo group; returns each rank's
+    report (a tuple whose first item is the rank and whose last is an error or None), in rank order. A rank's
+    error fails the caller's test, naming the rank."""
+    import multiprocessing
+
+    from actors.distributed import find_free_port
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = find_free_port()
+    procs = [context.Process(target=worker, args=(rank, port, *args, results)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        reports = [results.get(timeout=timeout_s) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    for report in reports:
+        assert report[-1] is None, f"rank {report[0]}: {report[-1]}"
+    return sorted(reports, key=lambda report: report[0])
+
+
 # -- a two-process step that records every collective (used by test_train_step) --------
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
                "reduce", "barrier", "all_to_all_single", "send", "recv", "isend", "irecv")
 
 
-def record_collectives_worker(rank: int, port: int, shards_by_phase: dict, results, pp_size: int = 1) -> None:
+def record_collectives_worker(rank: int, port: int, shards_by_phase: dict, pp_size: int, results) -> None:
     """Spawned per rank: join a 2-rank gloo group (dp=2, or pp=2), train each phase's shard, record collectives.
 
     The patch lives only in this spawned process and only around `train_shard`.
