@@ -279,6 +279,11 @@ class JobConfig:
             raise ConfigError(f"scheduler.max_staleness={self.scheduler.max_staleness}: the job has one staleness bound, "
                               "train.loss.off_policy.max_staleness (the loss corrects for it and the scheduler enforces "
                               "it when engines run); set that and leave scheduler.max_staleness out")
+        hold = self.scheduler.max_hold_s
+        if hold is not None and self.run.shard_timeout_s is not None and hold >= self.run.shard_timeout_s:
+            raise ConfigError(f"scheduler.max_hold_s={hold} s holds a step for slow rollouts at least as long as the train "
+                              f"group waits for it (run.shard_timeout_s={self.run.shard_timeout_s} s): the run would fail "
+                              "before the step forms; keep scheduler.max_hold_s below run.shard_timeout_s")
         intake = self.scheduler.intake
         if intake.vocab_size is not None and intake.vocab_size != model.vocab_size:
             raise ConfigError(f"scheduler.intake.vocab_size={intake.vocab_size} must equal train.model.vocab_size="

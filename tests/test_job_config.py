@@ -251,3 +251,9 @@ def test_a_run_whose_input_died_is_a_failure_and_one_whose_input_ended_is_not():
     assert "1 producer(s) failed and the run trained 3 of run.num_steps=100" in input_failure(summary(3, 1, 1), 100)
     assert input_failure(summary(8, 0, 2), 100) is None  # prompts ended by design: a shorter run, not a failure
     assert input_failure(summary(100, 1, 1), 100) is None  # a producer lost, every step trained
+
+
+def test_a_hold_for_slow_rollouts_as_long_as_the_shard_timeout_is_refused_naming_both_keys():
+    with pytest.raises(ConfigError, match=r"scheduler.max_hold_s=120.0 s .*run.shard_timeout_s=120.0 s"):
+        load_job_config(None, ["scheduler.max_hold_s=120.0"])
+    assert load_job_config().scheduler.max_hold_s < load_job_config().run.shard_timeout_s

@@ -188,3 +188,23 @@ def test_every_rollout_ends_trained_or_dropped_with_a_reason_and_the_stream_ends
     assert set(stats.rollout_states) == {f"r{i}" for i in range(len(sizes))} | {f"open{i}" for i in range(open_rollouts)}
     assert all(s.num_rollouts <= core.config.batch.global_batch_size for s in published)
     assert isinstance(core.next_action(now=1e9, flush_requests=[]), WaitFor)
+
+
+def test_a_held_step_stops_waiting_for_a_slow_last_chance_rollout_after_max_hold_s(caplog):
+    """A rollout in flight on its last chance holds a full step at most scheduler.max_hold_s after the step could
+    form; then the step forms without it (named in a warning), and when it ends it is dropped as stale."""
+    core = make_core(gbs=3, max_staleness=0, max_hold_s=30.0)
+    assert core.admit(["slow"], engine_version=0).admit
+    assert core.admit(["a", "b"], engine_version=0).admit
+    for index, rid in enumerate(["a", "b", "c"]):
+        core.ingest(rollout_rows(rid, 1, policy_version_min=0, policy_version_max=0), now=float(index))
+    waiting = core.next_action(now=12.0)                                  # the step could form at t=2
+    assert isinstance(waiting, WaitFor) and waiting.timeout_s == pytest.approx(20.0)
+    with caplog.at_level("WARNING"):
+        steps = drive(core, now=32.0)
+    assert [s.rollout_ids for s in steps] == [("a", "b", "c")]
+    assert "step 0 waited 30.0 s (scheduler.max_hold_s=30.0) for 1 rollout(s) in flight on their last chance ['slow']" \
+        in caplog.text
+    core.ingest(rollout_rows("slow", 1, policy_version_min=0, policy_version_max=0), now=40.0)
+    drive(core, now=40.0)
+    assert core.stats(check_ledger=True).ledger.dropped_by_reason == {"stale": 1}

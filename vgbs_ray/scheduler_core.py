@@ -104,6 +104,7 @@ class SchedulerCore:
         self._accepted = self._rejected = self._deferred = 0
         self._admitted = self._refused_admissions = 0
         self._incomplete: list = []
+        self._hold_released_at: int | None = None  # the step whose hold for last-chance rollouts was last released
         if restore is not None:
             self._restore(restore, now)
 
@@ -314,11 +315,41 @@ class SchedulerCore:
         """What to do next (vgbs_ray.scheduler_policy.next_action over this state). O(ready log ready) with
         staleness rules, O(1) without (O(gbs) when a full step is ready). Changes nothing."""
         oldest = self.intake.oldest_ready_at()
-        choice = self.chooser.choose(self.intake.ready_rollouts(), replay=self._replay)
+        ready = self.intake.ready_rollouts()
+        choice = self.chooser.choose(ready, replay=self._replay)
+        hold_left = None
+        if choice.waiting_for and self.config.max_hold_s is not None and self.layout is not None:
+            held_s = self._held_s(ready, choice, now)
+            if held_s is not None and held_s >= self.config.max_hold_s:
+                self._release_hold(held_s)
+                choice = self.chooser.choose(ready, replay=self._replay, wait_for_in_flight=False)
+            elif held_s is not None:
+                hold_left = self.config.max_hold_s - held_s
         return next_action(SchedulerView(
             registered=self.layout is not None, choice=choice, global_batch_size=self.config.batch.global_batch_size,
             leftover=self.config.batch.leftover, flush_requests=tuple(flush_requests), active_datasets=active_datasets,
-            oldest_ready_age_s=None if oldest is None else now - oldest, max_wait_s=self.config.max_wait_s))
+            oldest_ready_age_s=None if oldest is None else now - oldest, max_wait_s=self.config.max_wait_s,
+            hold_left_s=hold_left))
+
+    def _held_s(self, ready: Sequence[ReadyRollout], choice, now: float) -> float | None:
+        """Seconds the next step has been held for last-chance rollouts in flight: since its
+        `global_batch_size`-th fresh rollout was ready (None: it does not have that many yet)."""
+        gbs = self.config.batch.global_batch_size
+        if choice.num_fresh < gbs:
+            return None
+        stale = set(choice.stale)
+        ready_at = sorted(r.ready_at for r in ready if r.rollout_id not in stale)
+        return now - ready_at[gbs - 1]
+
+    def _release_hold(self, held_s: float) -> None:
+        """Log, once per step, the rollouts a held step stops waiting for (each is dropped as stale when it ends)."""
+        if self._hold_released_at == self.next_step:
+            return
+        self._hold_released_at = self.next_step
+        late = self.chooser.last_chance_ids()
+        self.log.warning("%s: step %d waited %.1f s (scheduler.max_hold_s=%s) for %d rollout(s) in flight on their last "
+                         "chance %s; it forms without them, and each is dropped as %r when it ends", self.name,
+                         self.next_step, held_s, self.config.max_hold_s, len(late), late[:8], STALE_REASON)
 
     def take(self, rollout_ids: Sequence) -> list[ReadyRollout]:
         """Take these ready rollouts out of the buffer for a step (`publish` it, or `return_front` them)."""

@@ -12,14 +12,15 @@ repeats; neither decides anything itself (the shape of Ray Train v2's controller
    too old for the next step is too old for every later one (rule 1 of `vgbs_ray.staleness`).
 1. A full step, whenever the chooser took `global_batch_size` trainable rollouts, a train group
    is registered (layouts need its parallel config) and no admitted rollout in flight has its
-   last chance in this step (rule 2; `waiting_for`).
+   last chance in this step (rule 2; `waiting_for`), or the step has been held for them
+   `max_hold_s` already (`SchedulerCore.next_action` then chooses without the wait).
 2. The oldest pending flush request (`flush()`, `end_of_input()`), once it can run: an end of
    input waits for running Ray Data streams to finish; any flush waits for the train group
    while what it would emit needs a layout (a full step, or a partial step under
    leftover="partial"), so a flush before registration never drops what could train.
 3. The max-wait flush: the oldest ready rollout waited `max_wait_s` (not with
    leftover="carry", which never flushes mid-run).
-4. Otherwise wait: for a change of state, or until the max-wait deadline.
+4. Otherwise wait: for a change of state, or until the max-wait or the hold deadline.
 
 Which ready rollouts a step takes and which are stale is the chooser's (`vgbs_ray.step_choice`).
 
@@ -57,6 +58,9 @@ class SchedulerView:
     active_datasets: int
     oldest_ready_age_s: float | None
     max_wait_s: float | None
+    hold_left_s: float | None = None
+    """While a full step is held for last-chance rollouts in flight: seconds until it stops waiting for them
+    (`SchedulerConfig.max_hold_s`); None otherwise."""
 
 
 @dataclass(frozen=True)
@@ -112,10 +116,10 @@ def next_action(view: SchedulerView) -> Action:
         return RunFlush(index)
     age = view.oldest_ready_age_s
     if view.max_wait_s is None or age is None or view.leftover == "carry" or not view.registered:
-        return WaitFor(None)
+        return WaitFor(view.hold_left_s)
     if age >= view.max_wait_s:
         return MaxWaitFlush()
-    return WaitFor(view.max_wait_s - age)
+    return WaitFor(view.max_wait_s - age if view.hold_left_s is None else min(view.max_wait_s - age, view.hold_left_s))
 
 
 def admit_new_rollouts(*, steps_in_flight: int, max_steps_ahead: int | None,

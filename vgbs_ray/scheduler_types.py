@@ -33,6 +33,11 @@ class SchedulerConfig:
     max_wait_s: float | None = None
     """Flush (per leftover policy) when the oldest ready rollout waited this long; None = never.
     Has no effect with leftover="carry"."""
+    max_hold_s: float | None = 60.0
+    """Staleness rule 2 holds a full step for admitted rollouts still in flight on their last chance: at most this
+    many seconds after the step could have formed. Then it forms without them; such a rollout, when it ends, is too
+    old for any later step and is dropped as `stale` (logged with its id). A slow rollout never holds the trainer
+    past this (keep it below run.shard_timeout_s). None: wait for them however long they take."""
     features: tuple[str, ...] = ()
     """Features in use; one needing train-side ordering ("multi_adapter", "multimodal") forces the legacy path."""
     retry_after_s: float = 0.05
@@ -64,6 +69,8 @@ class SchedulerConfig:
             raise ConfigError(f"SchedulerConfig.max_steps_ahead must be an int >= 0 or None, got {self.max_steps_ahead!r}")
         if self.max_wait_s is not None and self.max_wait_s <= 0:
             raise ConfigError(f"SchedulerConfig.max_wait_s must be > 0 or None, got {self.max_wait_s}")
+        if self.max_hold_s is not None and self.max_hold_s < 0:
+            raise ConfigError(f"SchedulerConfig.max_hold_s must be >= 0 seconds or None, got {self.max_hold_s}")
         if self.retry_after_s < 0:
             raise ConfigError(f"SchedulerConfig.retry_after_s must be >= 0, got {self.retry_after_s}")
         if not isinstance(self.intake, IntakeConfig):

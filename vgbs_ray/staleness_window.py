@@ -115,6 +115,11 @@ class StalenessWindow:
             self._in_flight.pop(rid, None)
             self._owner.pop(rid, None)
 
+    def last_chance_ids(self) -> list:
+        """The admitted rollouts in flight whose last chance is the next step (the ones rule 2 holds it for)."""
+        deadline = self.steps_formed - self.max_staleness
+        return [rid for rid, version in self._in_flight.items() if version == deadline]
+
     def choose(self, ready: Collection[ReadyRollout], *, replay: Collection = (), allow_partial: bool = False,
                wait_for_in_flight: bool = True) -> StepChoice:
         """`next_step` from the ready rollouts themselves (their oldest versions). O(ready log ready)."""

@@ -1,0 +1,37 @@
+"""One rollout slower than the train group's shard timeout, well inside the agent timeout, no longer ends the run.
+
+Before scheduler.max_hold_s, staleness rule 2 held the step for that rollout (admitted, in flight, on its last
+chance) until the train group's wait (run.shard_timeout_s) failed the job with `no shard`. Now the step forms after
+max_hold_s without it, the run goes on, and the slow rollout's group, complete only when it ends, is dropped as
+stale. Slow: one closed-loop job of the demo, shortened (~1 min).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jobs.progress import read_records
+from jobs.train import main
+
+pytestmark = pytest.mark.slow
+
+SLOW = "p5-r0"
+STEPS = 24  # long enough for the slow rollout (20 s) to end inside the run
+
+
+def test_a_rollout_slower_than_the_shard_timeout_is_dropped_and_the_run_goes_on(ray_session, tmp_path):
+    out = tmp_path / "run"
+    agent_kwargs = json.dumps({"slow_rollout": SLOW, "sleep_s": 20})
+    items = [f"run.output_dir={out}", "run.plot=false", f"run.num_steps={STEPS}", "run.checkpoint_every=0",
+             "run.shard_timeout_s=12", "scheduler.max_hold_s=3", "closed_loop.timeout_s=60",
+             "closed_loop.agent=tests.slow_agent:make_agent", f"closed_loop.agent_kwargs={agent_kwargs}",
+             "scheduler.batch.global_batch_size=16", "closed_loop.group_size=4"]
+    assert main([a for item in items for a in ("--set", item)]) == 0
+    records = read_records(out / "steps.jsonl")
+    assert len(records) == STEPS  # every step trained, though one rollout outlived the shard timeout
+    checkpoints = out / "checkpoints"
+    ledger = json.loads((checkpoints / (checkpoints / "latest").read_text().strip() / "ledger.json").read_text())
+    state = ledger["rollouts"][SLOW]
+    assert state[0] == "dropped" and "stale" in state, state  # too late for any step once it ended
