@@ -192,7 +192,8 @@ def test_every_rollout_ends_trained_or_dropped_with_a_reason_and_the_stream_ends
 
 def test_a_held_step_stops_waiting_for_a_slow_last_chance_rollout_after_max_hold_s(caplog):
     """A rollout in flight on its last chance holds a full step at most scheduler.max_hold_s after the step could
-    form; then the step forms without it (named in a warning), and when it ends it is dropped as stale."""
+    form; then the step forms without it (named in a warning), and when it ends with its version-0 tokens it is
+    too old for step 1 and dropped as stale."""
     core = make_core(gbs=3, max_staleness=0, max_hold_s=30.0)
     assert core.admit(["slow"], engine_version=0).admit
     assert core.admit(["a", "b"], engine_version=0).admit

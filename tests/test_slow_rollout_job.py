@@ -2,8 +2,8 @@
 
 Before scheduler.max_hold_s, staleness rule 2 held the step for that rollout (admitted, in flight, on its last
 chance) until the train group's wait (run.shard_timeout_s) failed the job with `no shard`. Now the step forms after
-max_hold_s without it, the run goes on, and the slow rollout's group, complete only when it ends, is dropped
-(as stale; or as uniform, which is checked first). With scheduler.max_hold_s=null this job fails at step 1
+max_hold_s without it and the run goes on; the slow rollout, when it ends, is settled like any other (trained
+in a later step when the versions that sampled it allow, else dropped). With scheduler.max_hold_s=null this job fails at step 1
 (`no shard after 4.0 s`), as every job did before. Slow: one closed-loop job of the demo, shortened (~1 min).
 """
 
@@ -35,6 +35,6 @@ def test_a_rollout_slower_than_the_shard_timeout_is_dropped_and_the_run_goes_on(
     checkpoints = out / "checkpoints"
     ledger = json.loads((checkpoints / (checkpoints / "latest").read_text().strip() / "ledger.json").read_text())
     state = ledger["rollouts"][SLOW]
-    # never trained: dropped once its group completed, as too late (`stale`) or, before that check, for a group
-    # whose rewards tied (`uniform_group_reward`: the digit task's usual at a random start)
-    assert state[0] == "dropped" and state[2] in ("stale", "uniform_group_reward"), state
+    # settled, not lost: it sleeps before it samples, so its tokens carry recent versions and it may train in a later
+    # step; else it is dropped as too late (`stale`) or, checked first, for a group whose rewards tied (uniform)
+    assert state[0] == "trained" or state[2] in ("stale", "uniform_group_reward"), state

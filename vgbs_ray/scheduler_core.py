@@ -342,13 +342,14 @@ class SchedulerCore:
         return now - ready_at[gbs - 1]
 
     def _release_hold(self, held_s: float) -> None:
-        """Log, once per step, the rollouts a held step stops waiting for (each is dropped as stale when it ends)."""
+        """Log, once per step, the rollouts a held step stops waiting for."""
         if self._hold_released_at == self.next_step:
             return
         self._hold_released_at = self.next_step
         late = self.chooser.last_chance_ids()
         self.log.warning("%s: step %d waited %.1f s (scheduler.max_hold_s=%s) for %d rollout(s) in flight on their last "
-                         "chance %s; it forms without them, and each is dropped as %r when it ends", self.name,
+                         "chance %s; it forms without them: each trains in a later step if the versions that sampled its tokens "
+                         "allow it when it ends, else it is dropped as %r", self.name,
                          self.next_step, held_s, self.config.max_hold_s, len(late), late[:8], STALE_REASON)
 
     def take(self, rollout_ids: Sequence) -> list[ReadyRollout]:

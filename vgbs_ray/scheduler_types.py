@@ -35,9 +35,10 @@ class SchedulerConfig:
     Has no effect with leftover="carry"."""
     max_hold_s: float | None = 60.0
     """Staleness rule 2 holds a full step for admitted rollouts still in flight on their last chance: at most this
-    many seconds after the step could have formed. Then it forms without them; such a rollout, when it ends, is too
-    old for any later step and is dropped as `stale` (logged with its id). A slow rollout never holds the trainer
-    past this (keep it below run.shard_timeout_s). None: wait for them however long they take."""
+    many seconds after the step could have formed. Then it forms without them (logged with their ids); such a rollout,
+    when it ends, trains in a later step if the versions that sampled its tokens are recent enough (an agent that
+    waited before sampling), else it is dropped as `stale`. A slow rollout never holds the trainer past this (keep it
+    below run.shard_timeout_s). None: wait for them however long they take."""
     features: tuple[str, ...] = ()
     """Features in use; one needing train-side ordering ("multi_adapter", "multimodal") forces the legacy path."""
     retry_after_s: float = 0.05
