@@ -121,6 +121,7 @@ class ToolCallParser:
     def __init__(self, name: str, tokenizer):
         self.name, self._tokenizer = name, tokenizer
         self._parser = None
+        self._requests: dict[str, object] = {}
 
     async def parse(self, text: str, request: ToolRequest) -> ToolReply:
         """The reply `text` (the engine's, end-of-turn token removed) as content and calls under `request`."""
@@ -128,7 +129,7 @@ class ToolCallParser:
             return ToolReply(content=text)
         if self._parser is None:
             await asyncio.to_thread(self._load)
-        extracted = self._parser.extract_tool_calls(text, self._vllm_request(request))
+        extracted = self._parser.extract_tool_calls(text, self._vllm_request(request))  # cached per tool set
         if not extracted.tools_called:
             if self._marks_a_call(text):
                 return ToolReply(content=text, outcome="unparseable", detail=f"{self.name} found no valid call")
@@ -181,13 +182,19 @@ class ToolCallParser:
                     f"the vLLM tool parser {self.name!r} cannot run with this job's tokenizer ({error}); set "
                     "closed_loop.endpoint.tool_parser to the parser of the checkpoint's call format") from None
 
-    @staticmethod
-    def _vllm_request(request: ToolRequest):
+    def _vllm_request(self, request: ToolRequest):
+        """vLLM's request object, which its parsers take (pydantic-validated: milliseconds); one per distinct tools
+        and tool_choice, since an agent sends the same tools every turn."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         choice = request.choice if request.named is None else {"type": "function", "function": {"name": request.named}}
-        return ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": ""}], tools=request.tools,
-                                     tool_choice=choice)
+        key = json.dumps([request.tools, choice], sort_keys=True)
+        if key not in self._requests:
+            if len(self._requests) >= 1024:
+                self._requests.clear()
+            self._requests[key] = ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": ""}],
+                                                        tools=request.tools, tool_choice=choice)
+        return self._requests[key]
 
 
 def check_parser_name(name: str) -> None:
