@@ -83,12 +83,25 @@ def step_results():
         trainer.load_full_parameters(initial)
         result = trainer.train_shard(dp1)
         one[name] = (update_between(initial, trainer.full_parameters()), result.metrics)
+    # A step of one one-sample rollout: the second dp rank has no sample and must still join the pre-pass's
+    # all-reduce (its shard's behaviour log-probs are an empty array, not None), or the first would wait forever.
+    lone_samples = [s for s in samples if s.rollout_id == samples[0].rollout_id][:1]
+    lone_samples = [dataclasses.replace(lone_samples[0], rollout_size=1, sample_index=0)]
+    lone1, lone2 = _shards(lone_samples, 1)[0], build_legacy_shards(lone_samples, 0, 2)
+    assert lone2[1].num_samples == 0
+    trainer = inprocess_trainer(sgd_config(loss=CASES["gspo_rollout"]))
+    trainer.load_full_parameters(initial)
+    lone_result = trainer.train_shard(lone1)
+    one["gspo_lone_rank"] = (update_between(initial, trainer.full_parameters()), lone_result.metrics)
     cases = list(CASES.items())
-    return {"dp1": one, "dp2": _spawned(1, [(n, c, dp2) for n, c in cases], initial),
-            "pp2": _spawned(2, [(n, c, [dp1]) for n, c in cases], initial)}
+    return {"dp1": one,
+            "dp2": _spawned(1, [(n, c, dp2) for n, c in cases] + [("gspo_lone_rank", CASES["gspo_rollout"], lone2)],
+                            initial),
+            "pp2": _spawned(2, [(n, c, [dp1]) for n, c in cases] + [("gspo_lone_rank", CASES["gspo_rollout"], [lone1])],
+                            initial)}
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, "gspo_lone_rank"])
 def test_a_step_is_the_same_update_at_dp1_dp2_and_pp2(step_results, name):
     update, metrics = step_results["dp1"][name]
     assert max(float(np.abs(v).max()) for v in update.values()) > 1e-6  # the step moved the weights

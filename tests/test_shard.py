@@ -88,3 +88,6 @@ def test_a_step_carries_behaviour_log_probs_on_every_rank_or_on_none():
     # One sample without log-probs: no rank may train this step as if it had them.
     samples[0] = replace(samples[0], rollout_log_probs=None)
     assert all(s.rollout_log_probs is None for s in build_legacy_shards(samples, step=0, dp_size=2))
+    # A rank the step gives no sample agrees with the others: an empty array, not None.
+    lone = build_legacy_shards(window(num_rollouts=1, seed=3)[:1], step=0, dp_size=2)
+    assert lone[1].num_samples == 0 and lone[1].rollout_log_probs is not None and lone[1].rollout_log_probs.size == 0

@@ -88,8 +88,9 @@ def _shards(partitions: list[list[Sample]], step: int, num_rollouts: int,
     Each array is built once for the whole step, ranks back to back, and a rank's shard holds
     views of its range: one numpy call and allocation per array and step instead of one per
     rank. Pickling a view writes only its own bytes, so a shard put alone stays its rank's size.
-    `rollout_log_probs` is None unless every sample of the step carries them (and on a rank
-    without samples), so all ranks of a step agree on whether they have behaviour log-probs.
+    `rollout_log_probs` is None unless every sample of the step carries them (a rank without
+    samples then gets an empty array), so all ranks of a step agree on whether they have
+    behaviour log-probs: a loss's pre-pass all-reduce (GSPO's rollout ratio) runs on all or none.
     """
     ordered = [s for partition in partitions for s in partition]
     for s in ordered:
@@ -137,7 +138,7 @@ def _shards(partitions: list[list[Sample]], step: int, num_rollouts: int,
             rollout_indices=normalisers.rollout_indices[a:b],
             group_mask_sums=normalisers.group_mask_sums[a:b],
             step_totals=normalisers.totals,
-            rollout_log_probs=None if log_probs is None or not partition else log_probs[r0:r1],
+            rollout_log_probs=None if log_probs is None else log_probs[r0:r1],
         ))
     return shards
 
