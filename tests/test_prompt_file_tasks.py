@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent("""
-    import json, sys
+    import json, sys, time
     import pyarrow as pa, pyarrow.parquet as pq
     import ray
     from ray.util.state import list_tasks
@@ -31,9 +31,19 @@ SCRIPT = textwrap.dedent("""
 
     path = sys.argv[1]
     pq.write_table(pa.table({"question": [f"q{i}" for i in range(40)], "answer": list(range(40))}), path)
-    ray.init(address="local", num_cpus=4, include_dashboard=True, log_to_driver=False)
+    context = ray.init(address="local", num_cpus=4, include_dashboard=True, log_to_driver=False)
     rows = read_dataset_rows(DatasetConfig(path=path))
-    tasks = list_tasks(limit=10000, detail=True, raise_on_missing_output=False)
+    # this cluster's state API by its own address (the tests' session cluster may be running beside it); task
+    # events reach it asynchronously: poll until the read's own task shows as finished, then read every state
+    deadline = time.monotonic() + 60
+    while True:
+        tasks = list_tasks(address=f"http://{context.dashboard_url}", limit=10000, detail=True,
+                           raise_on_missing_output=False)
+        if any(t.name == "_fetch_parquet_file_info" and t.state == "FINISHED" for t in tasks):
+            break
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     print(json.dumps({"rows": rows, "failed": [t.name for t in tasks if t.state == "FAILED"],
                       "finished": [t.name for t in tasks if t.state == "FINISHED"]}))
     ray.shutdown()
