@@ -22,8 +22,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def step_lines(text: str) -> list[str]:
+    """The job's step lines in a job log. A line may start mid-line: Ray streams actors' output into the same log,
+    and an actor's line without its newline (vLLM's weight-load warning, seen under load) runs into the next."""
     text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text)  # a job log holds Ray Data's progress-bar escapes
-    return [line for line in text.splitlines() if re.match(r"^step +\d+ \| rollouts", line)]
+    return [match.group(0) for match in re.finditer(r"step +\d+ \| rollouts[^\n]*", text)]
 
 
 def free_port() -> int:
