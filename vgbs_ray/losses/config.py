@@ -44,7 +44,9 @@ class CorrectionConfig:
     """
 
     kind: str = "none"
+    """none, tis (truncate the weight), mis (mask: 0 outside the bounds), icepop (mask, both bounds)."""
     level: str = "token"
+    """token: each token's own ratio; rollout: the geometric mean over its whole rollout (one weight per rollout)."""
     low: float | None = None
     """Lower bound of rho (tis, mis: optional; icepop: required, e.g. 0.5)."""
     high: float = 2.0
