@@ -119,8 +119,11 @@ def test_the_demo_job_survives_a_killed_engine_producer_scheduler_and_train_rank
         failed = failed_tasks(address, token)
 
     # The job ended gracefully: no task submitted after the last recovery failed. Tasks of the killed actors, and
-    # those a killed caller left running (a dead producer's requests, ended when their engine exits), did.
-    assert [t for t in failed if t["created_ms"] is None or t["created_ms"] >= recovered_ms] == [], failed
+    # those a killed caller left running (a dead producer's requests, ended when their engine exits), did. The
+    # teardown's own `__ray_terminate__` is not the run's work: its event can lose the race with the worker's exit
+    # (reported ACTOR_DIED, seen once in a quiet fresh-clone run of the scheduler's), so it is not counted.
+    work = [t for t in failed if not t["function"].endswith("__ray_terminate__")]
+    assert [t for t in work if t["created_ms"] is None or t["created_ms"] >= recovered_ms] == [], failed
     assert failed, "the killed actors' tasks should show as FAILED: is the state API filter still right?"
     assert step_rollouts and 1 <= step_rollouts[0] <= load_job_config().scheduler.batch.global_batch_size
     # Megatron's "Transformer Engine / Apex not installed" comes out at most once per process.
