@@ -90,6 +90,7 @@ def closed_loop_summary(trained: list[StepLine], reports: list, loop: ClosedLoop
         return round(sum(values) / len(values), 4) if values else None
 
     sampled = [line.sampled_reward for line in trained]
+    metric_means, metric_rollouts = agent_metrics(reports)
     counts = {key: sum(getattr(r, key) for r in reports)
               for key in ("groups", "rollouts", "samples", "deferred_retries", "rejected_samples",
                           "abandoned_rollouts", "not_admitted", "skipped_known_groups", "endpoint_refused")}
@@ -111,8 +112,8 @@ def closed_loop_summary(trained: list[StepLine], reports: list, loop: ClosedLoop
         "engine_replacements": list(loop.engine_watch.replacements) if loop.engine_watch is not None else [],
         "producers": counts,
         "failed_groups": failed,
-        "agent_metrics": agent_metrics(reports)[0],
-        "agent_metric_rollouts": agent_metrics(reports)[1],
+        "agent_metrics": metric_means,
+        "agent_metric_rollouts": metric_rollouts,
         "endpoint_outcomes": endpoint_outcomes(reports),
         "engine_wait_s": round(sum(r.engine_wait_s for r in reports), 2),
         "producer_idle_s": round(sum(r.idle_s for r in reports), 2),

@@ -12,7 +12,7 @@ import torch
 
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.losses import CorrectionConfig, LossInputs, LossOutput, PolicyLoss
-from vgbs_ray.losses.loading import LossOutputError, build_loss
+from vgbs_ray.losses.loading import LossOutputError, ResolvedLoss, build_loss
 from vgbs_ray.microbatch import pack_micro_batch
 from vgbs_ray.policy_loss import micro_batch_loss
 from vgbs_ray.sample import make_rollout
@@ -309,9 +309,7 @@ def test_a_wrong_output_mid_step_is_named():
     """A loss whose output shape depends on the data passes the probe, and is named at the step."""
     def compute(inputs):
         return LossOutput(inputs.log_probs[:5] if inputs.log_probs.numel() > 5 else -inputs.log_probs)
-    loss = build_loss("ppo")
-    loss = type(loss)(policy=PolicyLoss(name="short", compute=compute), aggregation=loss.aggregation,
-                      constant_tokens=None, correction=loss.correction)
+    loss = ResolvedLoss(policy=PolicyLoss(name="short", compute=compute))
     with pytest.raises(LossOutputError, match=rf"'short': token_losses must be a tensor of shape \({NEW.numel()},\)"):
         micro_batch_loss(loss, NEW, WHOLE, behaviour_log_probs=BEHAVIOUR)
 
@@ -320,8 +318,6 @@ def test_an_untrained_token_never_reaches_the_loss_even_when_not_finite():
     def compute(inputs):
         return LossOutput(torch.where(inputs.mask > 0, -inputs.advantages * inputs.log_probs,
                                       torch.full_like(inputs.log_probs, math.inf)))
-    loss = build_loss("ppo")
-    loss = type(loss)(policy=PolicyLoss(name="inf_off_mask", compute=compute), aggregation=loss.aggregation,
-                      constant_tokens=None, correction=loss.correction)
+    loss = ResolvedLoss(policy=PolicyLoss(name="inf_off_mask", compute=compute))
     value, _ = micro_batch_loss(loss, NEW, WHOLE, behaviour_log_probs=BEHAVIOUR)
     assert math.isfinite(float(value)) and (WHOLE.loss_weight == 0).any()

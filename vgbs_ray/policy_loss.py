@@ -152,7 +152,7 @@ def micro_batch_loss(
         token_metrics.update(correction_metrics)
     # A value on an untrained token never reaches the loss, even a non-finite one (0 * inf is nan).
     token_losses = torch.where(weight > 0, token_losses, torch.zeros_like(token_losses))
-    denominators, divisor = sample_denominators(loss.aggregation, mb, loss.constant_tokens)
+    denominators, divisor = sample_denominators(loss.policy.aggregation, mb, loss.policy.constant_tokens)
     total = sum_of_sample_contributions(token_losses, response_lengths, weight, denominators.to(device))
     share = total / divisor
 

@@ -29,12 +29,10 @@ class LossOutputError(ConfigError):
 
 @dataclass(frozen=True)
 class ResolvedLoss:
-    """The policy loss with the aggregation and correction the config chose (what `micro_batch_loss` runs)."""
+    """The policy loss (its aggregation as the config chose it) and the correction: what `micro_batch_loss` runs."""
 
     policy: PolicyLoss
-    aggregation: str
-    constant_tokens: int | None
-    correction: CorrectionConfig
+    correction: CorrectionConfig = CorrectionConfig()
 
     @property
     def name(self) -> str:
@@ -93,8 +91,7 @@ def build_loss(policy: str, policy_kwargs: dict | None = None, *, aggregation: s
             f"old, but {where} has no off-policy correction: use policy=decoupled_ppo or cispo, or add "
             "train.loss.correction (kind=tis and policy_kwargs.anchor=proximal), or set max_staleness=0, or "
             "train.loss.off_policy.allow_uncorrected_staleness=true to accept it")
-    resolved = ResolvedLoss(policy=made, aggregation=made.aggregation, constant_tokens=made.constant_tokens,
-                            correction=correction)
+    resolved = ResolvedLoss(policy=made, correction=correction)
     probe_loss(made)
     return resolved
 
