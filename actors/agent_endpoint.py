@@ -80,7 +80,11 @@ class AgentEndpoint:
         self._runner: web.AppRunner | None = None
         self.address: str | None = None
         self.refused = 0
-        """Requests answered with a 4xx (every kind)."""
+        """Requests answered with a 4xx, except those to a session that had ended (`after_end`)."""
+        self.after_end = 0
+        """Requests to a session that had ended: an agent still running after its group ended (the job stopping,
+        the group's timeout, a member's failure) or reporting a settled reward. Counted apart from `refused`:
+        most are the job's doing, not a malformed request."""
 
     async def start(self) -> str:
         app = web.Application(middlewares=[self._errors_and_auth], client_max_size=64 << 20)
@@ -137,7 +141,10 @@ class AgentEndpoint:
                 raise ProtocolError("wrong token for this endpoint", status=403)
             return await handler(request)
         except ProtocolError as error:
-            self.refused += 1
+            if error.code == "session_ended":
+                self.after_end += 1
+            else:
+                self.refused += 1
             return web.json_response(error.body(), status=error.status)
 
     def _handler(self, kind: str, session_in: str):
@@ -148,8 +155,10 @@ class AgentEndpoint:
                 raise ProtocolError(f"no session: use a base_url of /sessions/{{session}}/v1, or the {SESSION_HEADER} "
                                     "header", status=404)
             rollout = self._sessions.get(session_id)
-            if rollout is None and kind == "reward" and session_id in self._ended:
-                raise ProtocolError(f"session {session_id!r} has ended: its rollout's reward is settled", status=409)
+            if rollout is None and session_id in self._ended:
+                raise ProtocolError(f"session {session_id!r} has ended: its rollout's reward is settled" if kind == "reward"
+                                    else f"session {session_id!r} has ended (its group finished, failed, timed out or "
+                                    "the job is stopping)", status=409 if kind == "reward" else 404, code="session_ended")
             if rollout is None:
                 raise ProtocolError(f"unknown or ended session {session_id!r}", status=404)
             if kind == "models":

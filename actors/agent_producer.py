@@ -199,7 +199,9 @@ class AgentProducerReport:
     awaiting_requests: int
     """Their requests at the engines (a group's members each send their own)."""
     endpoint_refused: int
-    """Endpoint requests answered with a 4xx (0 without an endpoint)."""
+    """Endpoint requests answered with a 4xx, other than those to an ended session (0 without an endpoint)."""
+    endpoint_after_end: int
+    """Endpoint requests to a session that had ended (an agent still running after its group ended)."""
     cursor: dict
 
 
@@ -359,6 +361,7 @@ class AgentProducer:
             endpoint_outcomes=dict(self._endpoint.outcomes) if self._endpoint is not None else {},
             stopped=self._stop.is_set(), in_flight=len(self._working),
             endpoint_refused=self._endpoint.refused if self._endpoint is not None else 0,
+            endpoint_after_end=self._endpoint.after_end if self._endpoint is not None else 0,
             awaiting_engine=len(self._awaiting_engine), awaiting_requests=sum(self._awaiting_engine.values()),
             cursor=self.cursor())
 

@@ -93,7 +93,8 @@ def closed_loop_summary(trained: list[StepLine], reports: list, loop: ClosedLoop
     metric_means, metric_rollouts = agent_metrics(reports)
     counts = {key: sum(getattr(r, key) for r in reports)
               for key in ("groups", "rollouts", "samples", "deferred_retries", "rejected_samples",
-                          "abandoned_rollouts", "not_admitted", "skipped_known_groups", "endpoint_refused")}
+                          "abandoned_rollouts", "not_admitted", "skipped_known_groups", "endpoint_refused",
+                          "endpoint_after_end")}
     failed: dict[str, int] = {}
     for report in reports:
         for reason, groups in report.failed_groups.items():

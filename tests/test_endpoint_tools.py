@@ -202,15 +202,19 @@ def test_a_call_the_template_renders_differently_starts_a_counted_new_sample(end
     endpoint.close(session)
 
 
-def test_a_late_reward_report_to_an_ended_session_is_a_409(endpoint):
+def test_requests_to_an_ended_session_are_counted_apart_from_refused_ones(endpoint):
     _, session = open_session(endpoint, TextEngine([]), "t7-r0")
     report_reward(session.base_url, TOKEN, 1.0)
     endpoint.close(session)
+    refused, after_end = endpoint.refused, endpoint.after_end
     status, body = post(session.reward_url, b'{"reward": 0.0}', {"Authorization": f"Bearer {TOKEN}"})
     assert status == 409 and "ended" in body["error"]["message"]
+    with pytest.raises(openai.NotFoundError, match="has ended"):  # an agent still running after its group ended
+        client(session).chat.completions.create(model="policy", messages=QUESTION)
+    assert (endpoint.refused, endpoint.after_end) == (refused, after_end + 2)
     status, _ = post(session.reward_url.replace("t7-r0", "t7-r9"), b'{"reward": 0.0}',
                      {"Authorization": f"Bearer {TOKEN}"})
-    assert status == 404  # a session that never existed
+    assert status == 404 and endpoint.refused == refused + 1  # a session that never existed: a client's mistake
 
 
 def test_the_chunks_of_a_completion_carry_text_then_the_finish_reason():
