@@ -48,7 +48,9 @@ SESSION_HEADER = "X-Session-Id"
 ROLLOUT_HEADER = "X-Rollout-Id"
 """Every completion's answer names the rollout it trains as."""
 ENDED_SESSIONS_KEPT = 100_000
-"""Ended session ids remembered for a late reward report's 409 (~100 bytes each)."""
+"""Ended session ids remembered for a late request's `session_ended` answer (~100 bytes each)."""
+REFUSALS_LOGGED = 20
+"""The first refusals each endpoint logs (the client gets every one in its error body)."""
 
 
 def listen_address(host: str) -> str:
@@ -145,6 +147,8 @@ class AgentEndpoint:
                 self.after_end += 1
             else:
                 self.refused += 1
+                if self.refused <= REFUSALS_LOGGED:
+                    log.warning("endpoint refused %s %s (%d): %s", request.method, request.path, error.status, error)
             return web.json_response(error.body(), status=error.status)
 
     def _handler(self, kind: str, session_in: str):

@@ -92,7 +92,8 @@ def test_the_calculator_agent_trains_through_the_endpoint_token_for_token(tmp_pa
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert (out / "endpoint_token").stat().st_mode & 0o077 == 0
     producers = json.loads((out / "summary.json").read_text())["closed_loop"]["producers"]
-    assert producers["endpoint_refused"] == 0 and producers["groups"] > 0  # every request was a valid one
+    assert producers["endpoint_refused"] == 0 and producers["groups"] > 0, (  # every request was a valid one
+        producers, [line for line in done.stderr.splitlines() if "endpoint refused" in line])
 
     checkpoints = out / "checkpoints"
     ledger = json.loads((checkpoints / (checkpoints / "latest").read_text().strip() / "ledger.json").read_text())

@@ -80,7 +80,8 @@ def test_agents_sdk_and_langgraph_agents_train_three_steps(tmp_path, cluster_add
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     producers = summary["closed_loop"]["producers"]
-    assert producers["endpoint_refused"] == 0 and producers["groups"] > 0  # every framework request was accepted
+    assert producers["endpoint_refused"] == 0 and producers["groups"] > 0, (  # every framework request was accepted
+        producers, [line for line in done.stderr.splitlines() if "endpoint refused" in line])
     assert summary["closed_loop"]["failed_groups"] == {}  # no framework raised
     records = read_records(out / "steps.jsonl")
     assert len(records) == 3 and all(r["num_rollouts"] == 8 for r in records)
