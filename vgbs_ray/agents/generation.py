@@ -57,6 +57,18 @@ class Generation:
     response_log_probs: np.ndarray
     """float32 [R]: log-prob of each sampled token under the weights that sampled it (behaviour log-probs)."""
     policy_version: int
+    """The oldest version among the response's tokens (the one its first token was sampled by): a rollout's
+    staleness counts from it."""
     finish_reason: str
     """'length' (max_tokens reached) or 'stop' (a stop token or stop string)."""
     engine: str
+    version_runs: tuple[tuple[int, int], ...] = ()
+    """(policy version, tokens) runs over the response, in order, summing to its length: a weight update
+    while the request was in flight starts a new run. Empty: every token was sampled by `policy_version`."""
+
+    def token_versions(self) -> np.ndarray:
+        """int64 [R]: the policy version that sampled each response token."""
+        if not self.version_runs:
+            return np.full(len(self.response_token_ids), self.policy_version, dtype=np.int64)
+        return np.repeat(np.asarray([v for v, _ in self.version_runs], dtype=np.int64),
+                         [n for _, n in self.version_runs])
