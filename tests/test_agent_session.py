@@ -9,6 +9,7 @@ on the engine's tokens; a template that is not append-only starts a second sampl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -155,3 +156,24 @@ def test_requests_of_one_rollout_and_of_group_members_get_distinct_reproducible_
     again = RolloutContext(rollout_id="g-r0", group_id="g", member=0, group_size=2, engine_generate=engine, seed=100)
     asyncio.run(again.generate([1, 2], SamplingConfig(max_tokens=1, seed=0)))
     assert seen[-1] == seen[0]
+
+
+def test_a_turn_sampled_across_a_weight_update_records_both_versions():
+    """An engine that loaded a version while the turn was in flight: the sample spans both (min 3, max 4), and
+    a later turn under one version widens it no further than its own."""
+    class UpdatedMidTurn(ScriptedEngine):
+        async def __call__(self, token_ids, sampling):
+            generation = await super().__call__(token_ids, sampling)
+            if len(self.prompts) > 1:
+                return generation
+            return dataclasses.replace(generation, version_runs=((3, 1), (4, len(generation.response_token_ids) - 1)))
+
+    engine = UpdatedMidTurn([[5, 6, 7], [8]])
+    ctx = context(engine)
+    session = ctx.token_session([1, 2])
+    generation = asyncio.run(session.generate())
+    assert generation.token_versions().tolist() == [3, 4, 4]
+    session.append([9])
+    asyncio.run(session.generate())
+    (row,) = ctx.samples()
+    assert (row["policy_version_min"], row["policy_version_max"]) == (3, 4)

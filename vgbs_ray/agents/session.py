@@ -87,7 +87,7 @@ class TokenSession:
         segment.tokens += response
         segment.loss_mask += [1] * len(response)
         segment.log_probs += [float(p) for p in generation.response_log_probs]
-        segment.versions.append(int(generation.policy_version))
+        segment.versions += [version for version, _ in generation.version_runs] or [int(generation.policy_version)]
         return generation
 
     def append(self, token_ids: Sequence[int]) -> None:
