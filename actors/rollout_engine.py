@@ -55,6 +55,8 @@ from vgbs_ray.errors import ConfigError, VgbsError
 # In-process vLLM without torch.compile (measured: start-up ~2 s, first logprobs call without a 14 s compile).
 _CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1"}
 _GPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+_CPU_BATCHED_TOKENS = 2048
+"""Tokens one CPU engine step may hold (vLLM's default budget; at least one whole prompt: no chunked prefill)."""
 
 
 class EngineError(VgbsError, RuntimeError):
@@ -188,7 +190,13 @@ class RolloutEngine:
         if config.on_gpu:
             kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization)
         else:
-            kwargs.update(kv_cache_memory_bytes=int(config.kv_cache_gib * (1 << 30)), enforce_eager=True)
+            # No chunked prefill on CPU: a prompt prefilled over several steps has its first sampled tokens
+            # discarded, and vLLM 0.32 then rewinds the request's seeded generator, which a CPU generator cannot
+            # ("CPU Generator does not use offset": the engine step fails). Found with continuous batching:
+            # requests joining a full batch, and requests recomputed after an in-flight load.
+            kwargs.update(kv_cache_memory_bytes=int(config.kv_cache_gib * (1 << 30)), enforce_eager=True,
+                          enable_chunked_prefill=False,
+                          max_num_batched_tokens=max(config.max_model_len, _CPU_BATCHED_TOKENS))
         self.llm = LLM(**kwargs)
         self._llm_kwargs, self._model_dir = kwargs, model_dir
         # vLLM 0.32's in-place reload on CPU corrupts a mixture of experts (reloading the very same weights
