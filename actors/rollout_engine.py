@@ -382,7 +382,7 @@ class RolloutEngine:
                 self._apply_update(call)
             elif self._held_update is None:
                 self._held_update = call
-            else:  # a second update behind a held one: the newer weights win, both callers learn of the load
+            else:  # a second update behind a held one: applied after it, in order
                 self._held_calls.append(call)
         elif self._held_update is not None:
             self._held_calls.append(call)
@@ -398,6 +398,9 @@ class RolloutEngine:
 
         prompts, samplings = call.payload
         call.results, call.unfinished = [None] * len(prompts), len(prompts)
+        if not prompts:
+            _answer(call, [])
+            return
         engine = self.llm.llm_engine
         added = []
         try:
