@@ -128,6 +128,11 @@ def test_a_request_longer_than_the_engine_allows_is_refused(system):
         engines.generate([[1, 2], [3] * (limit - 4)], SamplingConfig(max_tokens=8))
 
 
+def test_a_call_without_prompts_is_answered_at_once(system):
+    _, engines, _, _ = system
+    assert engines.generate([], SamplingConfig(max_tokens=4)) == []
+
+
 def test_a_stop_token_ends_the_response_and_keeps_its_log_prob(system):
     _, engines, _, _ = system
     [greedy] = engines.generate(PROMPTS[:1], SamplingConfig(max_tokens=8, temperature=0.0))
