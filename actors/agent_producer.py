@@ -20,7 +20,9 @@ producer goes on. Uniform-reward groups are pushed too: the scheduler's dynamic-
 drops them.
 
 Engine requests issued in the same event-loop pass (a group's members' turns) go to the engines
-as one call (`_Batcher`), so a group costs one Ray call per turn, as a batched driver would.
+as one call (`_Batcher`), so a group costs one Ray call per turn, as a batched driver would; the
+call streams each request's generation back as it finishes, so a member's short turn is not held
+until the group's longest one ends.
 
 Invariants:
 - Rollout ids are `{prompt key}-r{member}`: a pure function of the prompt's position, so a
@@ -231,7 +233,12 @@ class _Batcher:
         started = time.perf_counter()
         try:
             try:
-                generations = await self._engines.generate([ids for ids, _, _ in batch], [s for _, s, _ in batch])
+                # Each caller is answered as its own request finishes (the engine batches continuously).
+                async for position, generation in self._engines.generate_each([ids for ids, _, _ in batch],
+                                                                               [s for _, s, _ in batch]):
+                    future = batch[position][2]
+                    if not future.done():
+                        future.set_result(generation)
             except RequestTooLongError:
                 if len(batch) == 1:
                     raise
@@ -246,13 +253,10 @@ class _Batcher:
             return
         finally:
             self._times["engine_wait_s"] += time.perf_counter() - started
-        for (_, _, future), generation in zip(batch, generations):
-            if not future.done():
-                future.set_result(generation)
 
     async def _one(self, ids, sampling: SamplingConfig, future: asyncio.Future) -> None:
         try:
-            (generation,) = await self._engines.generate([ids], [sampling])
+            generation = [g async for _, g in self._engines.generate_each([ids], [sampling])][0]
         except BaseException as error:  # noqa: BLE001 - this caller's own error
             if not future.done():
                 future.set_exception(error)

@@ -158,6 +158,8 @@ class _Call:
     results: list = field(default_factory=list, repr=False)
     """generate: one slot per prompt, filled as its request finishes."""
     unfinished: int = 0
+    finished: asyncio.Queue | None = field(default=None, repr=False)
+    """generate_each: (index, Generation) of each request as it finishes, in the caller's loop."""
 
 
 class RolloutEngine:
@@ -228,7 +230,32 @@ class RolloutEngine:
     async def generate(self, prompts: Sequence[Sequence[int]],
                        sampling: SamplingConfig | Sequence[SamplingConfig]) -> list[Generation]:
         """Sample a response for each prompt (token ids); see `Generation`. `sampling` is one config for
-        every prompt (request i seeded seed + i) or one config per prompt (each seed as given)."""
+        every prompt (request i seeded seed + i) or one config per prompt (each seed as given). Returns once
+        every request finished (`generate_each` answers each as it finishes)."""
+        return await self._submit("generate", await self._checked_requests(prompts, sampling))
+
+    async def generate_each(self, prompts: Sequence[Sequence[int]],
+                            sampling: SamplingConfig | Sequence[SamplingConfig]):
+        """As `generate`, but yields (index, Generation) as each request finishes: call it as a Ray streaming
+        generator (`.options(num_returns="streaming")`), so a short request of a call is not held until its
+        longest one finished."""
+        payload = await self._checked_requests(prompts, sampling)
+        loop = asyncio.get_running_loop()
+        call = _Call("generate", payload, loop, loop.create_future(), finished=asyncio.Queue())
+        self._calls.put(call)
+        for _ in range(len(payload[0])):
+            next_item = asyncio.ensure_future(call.finished.get())
+            await asyncio.wait({next_item, call.future}, return_when=asyncio.FIRST_COMPLETED)
+            if next_item.done():
+                yield next_item.result()
+            else:  # the call ended: it failed (raised here), or every item is queued already
+                next_item.cancel()
+                call.future.result()
+                yield call.finished.get_nowait()
+
+    async def _checked_requests(self, prompts, sampling) -> tuple[list[np.ndarray], list[SamplingConfig]]:
+        """The call's prompts and per-prompt sampling, once this engine serves; refused (naming the engine and the
+        request) when a request cannot run here."""
         prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
         samplings = _per_prompt(sampling, len(prompts))
         await self._until_serving()
@@ -241,7 +268,7 @@ class RolloutEngine:
             if params.stop and not self.has_tokenizer:
                 raise EngineError(f"{self.name}: stop strings {params.stop!r} need the checkpoint's tokenizer, and the "
                                   "engine's model directory has none; use stop_token_ids")
-        return await self._submit("generate", (prompts, samplings))
+        return prompts, samplings
 
     async def update_weights(self, policy_version: int, weights: dict[str, np.ndarray]) -> WeightLoad:
         """Load `weights` (HF names) in place between two steps; requests in flight go on under them (`_load`)."""
@@ -441,6 +468,8 @@ class RolloutEngine:
                 continue
             call, index = self._requests_in_flight.pop(output.request_id)
             call.results[index] = self._generation(output)
+            if call.finished is not None:
+                call.loop.call_soon_threadsafe(call.finished.put_nowait, (index, call.results[index]))
             call.unfinished -= 1
             if call.unfinished == 0:
                 _answer(call, call.results)
@@ -617,6 +646,31 @@ class EngineClient:
                 if not actor_died(error) or engine_index is not None:
                     raise engine_error(error, self.names[index], "generate") from error
                 self._mark_dead(index, handle)  # the request goes to another engine (or waits for a replacement)
+            finally:
+                self._in_flight[index] -= 1
+
+    async def generate_each(self, prompts: Sequence[Sequence[int]],
+                            sampling: SamplingConfig | Sequence[SamplingConfig]):
+        """As `generate`, but yields (index, Generation) as each request finishes (the engine's `generate_each`
+        as a Ray streaming generator). When the engine dies mid-call, the requests not answered yet go to
+        another live engine, with the same seeds."""
+        samplings = _per_prompt(sampling, len(prompts))
+        pending = {i: list(prompt) for i, prompt in enumerate(prompts)}
+        while pending:
+            index = await self._live_index()
+            handle, order = self.engines[index], list(pending)
+            self._in_flight[index] += 1
+            try:
+                stream = handle.generate_each.options(num_returns="streaming").remote(
+                    [pending[i] for i in order], [samplings[i] for i in order])
+                async for ref in stream:
+                    position, generation = await ref
+                    del pending[order[position]]
+                    yield order[position], generation
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as error:
+                if not actor_died(error):
+                    raise engine_error(error, self.names[index], "generate") from error
+                self._mark_dead(index, handle)  # what is left goes to another engine (or waits for a replacement)
             finally:
                 self._in_flight[index] -= 1
 

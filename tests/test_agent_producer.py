@@ -64,6 +64,11 @@ class StandInEngine:
                                   policy_version=self.policy_version, finish_reason="length", engine="stand-in"))
         return out
 
+    async def generate_each(self, prompts, samplings):
+        """As the engine's: (index, Generation) per request (here all finish together)."""
+        for index, generation in enumerate(await self.generate(prompts, samplings)):
+            yield index, generation
+
     def current_policy_version(self) -> int:
         return self.policy_version
 

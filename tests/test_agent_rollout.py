@@ -134,11 +134,12 @@ def test_one_too_long_request_in_a_batched_engine_call_fails_only_its_own_caller
         def __init__(self):
             self.calls = []
 
-        async def generate(self, prompts, samplings):
+        async def generate_each(self, prompts, samplings):
             self.calls.append(len(prompts))
             if any(len(p) > 3 for p in prompts):
                 raise RequestTooLongError("request longer than max_model_len")
-            return [await ScriptedEngine([[9]])(p, s) for p, s in zip(prompts, samplings)]
+            for index, (prompt, sampling) in enumerate(zip(prompts, samplings)):
+                yield index, await ScriptedEngine([[9]])(prompt, sampling)
 
     engines = Engines()
     batcher = _Batcher(engines, {"engine_wait_s": 0.0})
@@ -151,3 +152,32 @@ def test_one_too_long_request_in_a_batched_engine_call_fails_only_its_own_caller
     assert engines.calls[0] == 3  # one batched call first
     assert isinstance(long, RequestTooLongError)
     assert short.response_token_ids.tolist() == other.response_token_ids.tolist() == [9]
+
+
+def test_each_caller_of_a_batched_engine_call_is_answered_as_its_own_request_finishes():
+    """The engine streams a call's generations as they finish: the caller whose request finished first gets it
+    while the other's request still runs (the call is not held until its longest request ends)."""
+    from actors.agent_producer import _Batcher
+
+    class Engines:
+        def __init__(self):
+            self.long_may_finish = asyncio.Event()
+
+        async def generate_each(self, prompts, samplings):
+            short, long = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+            yield short, await ScriptedEngine([[7]])(prompts[short], samplings[short])  # finishes first
+            await self.long_may_finish.wait()
+            yield long, await ScriptedEngine([[8, 8, 8]])(prompts[long], samplings[long])
+
+    engines = Engines()
+    batcher = _Batcher(engines, {"engine_wait_s": 0.0})
+
+    async def two_callers():
+        long = asyncio.ensure_future(batcher.generate([1, 2], SamplingConfig()))
+        short = await batcher.generate([3], SamplingConfig())
+        assert not long.done()  # answered while the long request still runs
+        engines.long_may_finish.set()
+        return short, await long
+
+    short, long = asyncio.run(two_callers())
+    assert short.response_token_ids.tolist() == [7] and long.response_token_ids.tolist() == [8, 8, 8]

@@ -211,6 +211,27 @@ def test_a_short_request_finishes_while_a_long_one_runs(system):
     assert len(long_generation.response_token_ids) == engines.config.max_model_len - 4
 
 
+def test_a_client_call_streams_each_generation_as_it_finishes(system):
+    """One call of a short and a long request through the pickled client: the short one's generation arrives while
+    the long one still runs, and both equal what a blocking call of the same requests gives."""
+    _, engines, _, _ = system
+    client = pickle.loads(ray.cloudpickle.dumps(engines.client()))
+    long_tokens = engines.config.max_model_len - 4
+    samplings = [SamplingConfig(max_tokens=long_tokens, seed=8), SamplingConfig(max_tokens=3, seed=9)]
+    prompts = [[1, 2, 3, 4], [9, 8, 7]]
+
+    async def stream():
+        return [(index, generation) async for index, generation in client.generate_each(prompts, samplings)]
+
+    arrivals = asyncio.run(stream())
+    assert [index for index, _ in arrivals] == [1, 0]  # the short one first
+    blocking = engines.generate(prompts, samplings)
+    for index, generation in arrivals:
+        assert np.array_equal(generation.response_token_ids, blocking[index].response_token_ids)
+        assert np.allclose(generation.response_log_probs, blocking[index].response_log_probs, atol=1e-5)
+    assert len(arrivals[0][1].response_token_ids) == 3 and len(arrivals[1][1].response_token_ids) == long_tokens
+
+
 def test_a_weight_update_lands_while_a_request_is_in_flight(system):
     """The update is neither aborted nor waited for: the long request's first tokens carry the old version, the
     rest the new one, and each token's behaviour log-prob is what the trainer computes for it under the weights
