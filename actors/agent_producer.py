@@ -214,53 +214,61 @@ def pushes_samples_one_by_one(seed: int, position: int, sample_push_fraction: fl
 
 
 class _Batcher:
-    """Engine requests made in one event-loop pass go out as one call (see module docstring)."""
+    """Engine requests made in one event-loop pass go out as one call per engine (see module docstring), each
+    rollout's to the engine that served its previous request while that engine is live and not full
+    (session-sticky routing: its prefix cache holds the rollout's history), the others least-loaded."""
 
     def __init__(self, engines, times: dict):
         self._engines, self._times = engines, times
-        self._pending: list[tuple[list[int], SamplingConfig, asyncio.Future]] = []
+        self._pending: list[tuple[str, list[int], SamplingConfig, asyncio.Future]] = []
+        self._engine_of: dict[str, int] = {}
+        """Rollout id -> index of the engine that served its last request; `forget` drops a finished group's."""
 
-    async def generate(self, token_ids, sampling: SamplingConfig):
+    async def generate(self, rollout_id: str, token_ids, sampling: SamplingConfig):
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         if not self._pending:
             loop.call_soon(lambda: asyncio.ensure_future(self._flush()))
-        self._pending.append((list(token_ids), sampling, future))
+        self._pending.append((rollout_id, list(token_ids), sampling, future))
         return await future
+
+    def forget(self, rollout_ids) -> None:
+        for rollout_id in rollout_ids:
+            self._engine_of.pop(rollout_id, None)
 
     async def _flush(self) -> None:
         batch, self._pending = self._pending, []
+        by_engine: dict[int | None, list] = {}
+        for request in batch:
+            by_engine.setdefault(self._engine_of.get(request[0]), []).append(request)
         started = time.perf_counter()
+        try:
+            await asyncio.gather(*(self._call(requests, prefer) for prefer, requests in by_engine.items()))
+        finally:
+            self._times["engine_wait_s"] += time.perf_counter() - started
+
+    async def _call(self, batch: list, prefer: int | None) -> None:
         try:
             try:
                 # Each caller is answered as its own request finishes (the engine batches continuously).
-                async for position, generation in self._engines.generate_each([ids for ids, _, _ in batch],
-                                                                               [s for _, s, _ in batch]):
-                    future = batch[position][2]
-                    if not future.done():
-                        future.set_result(generation)
+                async for position, generation in self._engines.generate_each(
+                        [ids for _, ids, _, _ in batch], [s for _, _, s, _ in batch], prefer=prefer):
+                    self._answer(batch[position], generation)
             except RequestTooLongError:
                 if len(batch) == 1:
                     raise
                 # One request does not fit: the engine refused the whole call. Send each alone, so only
                 # the rollout that asked too much loses its group.
-                await asyncio.gather(*[self._one(ids, sampling, future) for ids, sampling, future in batch])
-                return
-        except BaseException as error:  # noqa: BLE001 - every caller of the batch gets the error
-            for _, _, future in batch:
+                await asyncio.gather(*[self._call([request], prefer) for request in batch])
+        except BaseException as error:  # noqa: BLE001 - every caller of the batch still waiting gets the error
+            for _, _, _, future in batch:
                 if not future.done():
                     future.set_exception(error)
-            return
-        finally:
-            self._times["engine_wait_s"] += time.perf_counter() - started
 
-    async def _one(self, ids, sampling: SamplingConfig, future: asyncio.Future) -> None:
-        try:
-            generation = [g async for _, g in self._engines.generate_each([ids], [sampling])][0]
-        except BaseException as error:  # noqa: BLE001 - this caller's own error
-            if not future.done():
-                future.set_exception(error)
-            return
+    def _answer(self, request: tuple, generation) -> None:
+        rollout_id, _, _, future = request
+        if generation.engine in self._engines.names:
+            self._engine_of[rollout_id] = self._engines.names.index(generation.engine)
         if not future.done():
             future.set_result(generation)
 
@@ -407,10 +415,13 @@ class AgentProducer:
         if len(known) == len(ids) and not one_by_one:  # a resumed producer: the scheduler holds this group already
             self._counts["skipped_known_groups"] += 1
             return True
-        generate = self._no_engines if self._engines is None else (
-            lambda ids, sampling: self._generate(local, ids, sampling))
+        def generate(rollout_id: str):
+            if self._engines is None:
+                return self._no_engines
+            return lambda ids, sampling: self._generate(local, rollout_id, ids, sampling)
+
         contexts = [RolloutContext(rollout_id=rid, group_id=key, member=m, group_size=config.group_size,
-                                   engine_generate=generate,
+                                   engine_generate=generate(rid),
                                    tokenizer=self._tokenizer,
                                    default_sampling=self._sampling,
                                    seed=(config.seed * 1_000_003 + position) * 1_024 + m)
@@ -423,6 +434,7 @@ class AgentProducer:
         finally:
             for session in sessions:
                 self._endpoint.close(session)
+            self._batcher.forget(ids)
         if outcome is None or self._stop.is_set():
             return False
         if outcome.failure is not None:
@@ -475,10 +487,10 @@ class AgentProducer:
                           "an agent here makes its samples itself (ctx.add_sample); set closed_loop.enabled=true "
                           "to sample the policy")
 
-    async def _generate(self, local: int, token_ids, sampling: SamplingConfig):
+    async def _generate(self, local: int, rollout_id: str, token_ids, sampling: SamplingConfig):
         self._awaiting_engine[local] = self._awaiting_engine.get(local, 0) + 1
         try:
-            return await self._batcher.generate(token_ids, sampling)
+            return await self._batcher.generate(rollout_id, token_ids, sampling)
         finally:
             self._awaiting_engine[local] -= 1
             if not self._awaiting_engine[local]:

@@ -137,11 +137,19 @@ class EngineUtilization:
     weight_loads: int = 0
     in_flight_loads: int = 0
     """Of the loads: those applied while requests were in flight (they went on under the new weights)."""
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in vLLM's prefix cache (whole blocks only: 128 tokens on CPU)."""
+    prefix_cache_hits: int = 0
+    """Of those: tokens whose keys and values were reused (the session's history, when routing is sticky)."""
 
     @property
     def idle_share(self) -> float:
         total = self.busy_s + self.idle_s
         return self.idle_s / total if total > 0 else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else None
 
     @property
     def requests_per_step(self) -> float:
@@ -188,7 +196,8 @@ class RolloutEngine:
         self.has_tokenizer = has_tokenizer(model_dir)
         kwargs = dict(model=model_dir, skip_tokenizer_init=not self.has_tokenizer, dtype=config.dtype, seed=config.seed,
                       max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-                      distributed_executor_backend="uni", load_format="auto" if starts_with_weights else "dummy")
+                      distributed_executor_backend="uni", load_format="auto" if starts_with_weights else "dummy",
+                      disable_log_stats=False)  # its counters give the prefix cache's hits (`utilization`)
         if config.on_gpu:
             kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization)
         else:
@@ -362,7 +371,11 @@ class RolloutEngine:
         return max(self.policy_version, self._serve_from or 0)
 
     def utilization(self) -> EngineUtilization:
+        counters = {metric.name: metric.value for metric in self.llm.get_metrics()
+                    if metric.name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")}
         return EngineUtilization(engine=self.name, busy_s=self._busy_s, idle_s=self._idle_s,
+                                 prefix_cache_queries=int(counters.get("vllm:prefix_cache_queries", 0)),
+                                 prefix_cache_hits=int(counters.get("vllm:prefix_cache_hits", 0)),
                                  engine_steps=self._engine_steps, request_steps=self._request_steps,
                                  requests=self._requests, weight_loads=self._weight_loads,
                                  in_flight_loads=self._in_flight_loads,
@@ -610,8 +623,8 @@ def _settle(future: asyncio.Future, setter, value) -> None:
 class EngineClient:
     """What a producer needs to sample: the engines' handles and names (picklable: pass it to actors).
 
-    `await client.generate(prompts, sampling)` picks the live engine with the fewest calls in flight
-    from this client. A call whose engine died goes to another live engine; the dead one comes back
+    `await client.generate(prompts, sampling)` picks the live engine with the fewest requests in flight
+    from this client (`generate_each` may prefer one: session-sticky routing). A call whose engine died goes to another live engine; the dead one comes back
     when the job replaced it (`RolloutEnginePool.replace`: a new actor under the same name, found with
     `ray.get_actor`). With no engine live the call waits for a replacement up to
     `replacement_timeout_s`, then raises `EngineDiedError` naming every engine. Other failures raise
@@ -621,25 +634,32 @@ class EngineClient:
     LOOKUP_INTERVAL_S = 0.5
     """How often a dead engine's name is looked up again (a replacement registers it)."""
 
-    def __init__(self, engines: list, names: list[str], *, replacement_timeout_s: float = 600.0):
+    def __init__(self, engines: list, names: list[str], *, replacement_timeout_s: float = 600.0,
+                 sticky_max_requests: int = 256):
         self.engines = list(engines)
         self.names = list(names)
         self.replacement_timeout_s = replacement_timeout_s
+        self.sticky_max_requests = sticky_max_requests
+        """A preferred engine is left for the least-loaded one when this client has more requests on it
+        (the pool sets the engines' `max_num_seqs`: beyond it requests would queue in vLLM)."""
         self._in_flight = [0] * len(self.engines)
+        """Requests this client has in flight per engine."""
         self._dead: dict[int, tuple] = {}  # index -> (dead actor's id, when its name was last looked up)
 
     def __getstate__(self):
-        return {"engines": self.engines, "names": self.names, "replacement_timeout_s": self.replacement_timeout_s}
+        return {"engines": self.engines, "names": self.names, "replacement_timeout_s": self.replacement_timeout_s,
+                "sticky_max_requests": self.sticky_max_requests}
 
     def __setstate__(self, state):
-        self.__init__(state["engines"], state["names"], replacement_timeout_s=state["replacement_timeout_s"])
+        self.__init__(state["engines"], state["names"], replacement_timeout_s=state["replacement_timeout_s"],
+                      sticky_max_requests=state["sticky_max_requests"])
 
     async def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *,
                        engine_index: int | None = None) -> list[Generation]:
         while True:
             index = await self._live_index() if engine_index is None else engine_index
             handle = self.engines[index]
-            self._in_flight[index] += 1
+            self._in_flight[index] += len(prompts)
             try:
                 return await handle.generate.remote(list(prompts), sampling)
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as error:
@@ -647,19 +667,24 @@ class EngineClient:
                     raise engine_error(error, self.names[index], "generate") from error
                 self._mark_dead(index, handle)  # the request goes to another engine (or waits for a replacement)
             finally:
-                self._in_flight[index] -= 1
+                self._in_flight[index] -= len(prompts)
 
     async def generate_each(self, prompts: Sequence[Sequence[int]],
-                            sampling: SamplingConfig | Sequence[SamplingConfig]):
+                            sampling: SamplingConfig | Sequence[SamplingConfig], *, prefer: int | None = None):
         """As `generate`, but yields (index, Generation) as each request finishes (the engine's `generate_each`
-        as a Ray streaming generator). When the engine dies mid-call, the requests not answered yet go to
-        another live engine, with the same seeds."""
+        as a Ray streaming generator). `prefer`: the engine to send them to while it is live and has fewer than
+        `sticky_max_requests` of this client's requests in flight (a session's previous engine: its prefix
+        cache holds the history); otherwise the least-loaded live engine. When the engine dies mid-call, the
+        requests not answered yet go to another live engine, with the same seeds."""
         samplings = _per_prompt(sampling, len(prompts))
         pending = {i: list(prompt) for i, prompt in enumerate(prompts)}
         while pending:
             index = await self._live_index()
+            if (prefer is not None and prefer in self._live()
+                    and self._in_flight[prefer] + len(pending) <= self.sticky_max_requests):
+                index = prefer
             handle, order = self.engines[index], list(pending)
-            self._in_flight[index] += 1
+            self._in_flight[index] += len(order)
             try:
                 stream = handle.generate_each.options(num_returns="streaming").remote(
                     [pending[i] for i in order], [samplings[i] for i in order])
@@ -672,7 +697,7 @@ class EngineClient:
                     raise engine_error(error, self.names[index], "generate") from error
                 self._mark_dead(index, handle)  # what is left goes to another engine (or waits for a replacement)
             finally:
-                self._in_flight[index] -= 1
+                self._in_flight[index] -= len(order)
 
     async def policy_version(self) -> int:
         """The oldest policy version a live engine holds (a rollout may be sampled by any of them)."""
@@ -714,7 +739,7 @@ class EngineClient:
         return [i for i in range(len(self.engines)) if i not in self._dead]
 
     async def _live_index(self) -> int:
-        """The live engine with the fewest calls in flight; waits for a replacement when none is live."""
+        """The live engine with the fewest requests in flight; waits for a replacement when none is live."""
         deadline = time.monotonic() + self.replacement_timeout_s
         while not (live := self._live()):
             if time.monotonic() > deadline:
@@ -795,7 +820,8 @@ class RolloutEnginePool:
 
     def client(self, replacement_timeout_s: float = 600.0) -> EngineClient:
         """A picklable handle on these engines for producers (async `generate`; see `EngineClient`)."""
-        return EngineClient(self.engines, self.names, replacement_timeout_s=replacement_timeout_s)
+        return EngineClient(self.engines, self.names, replacement_timeout_s=replacement_timeout_s,
+                            sticky_max_requests=self.config.max_num_seqs)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *,
                  engine_index: int | None = None) -> list[Generation]:

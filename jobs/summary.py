@@ -20,6 +20,14 @@ if TYPE_CHECKING:  # annotations only: reporting imports no actors
     from jobs.recovery import TrainController
 
 
+def engine_summaries(usage) -> list[dict]:
+    """Per live engine: idle share, mean requests per vLLM step (how full continuous batching kept it), weight loads
+    (of them, applied with requests in flight) and the prefix cache's hit rate (prompt tokens reused)."""
+    return [{"engine": u.engine, "idle_share": round(u.idle_share, 3), "requests_per_step": round(u.requests_per_step, 2),
+             "weight_loads": u.weight_loads, "in_flight_loads": u.in_flight_loads,
+             "prefix_cache_hit_rate": None if u.prefix_cache_hit_rate is None else round(u.prefix_cache_hit_rate, 3)}
+            for u in usage]
+
 def step_line(result, record) -> StepLine:
     return StepLine(
         step=result.step, num_rollouts=result.num_rollouts, num_samples=record.num_samples,
@@ -109,6 +117,7 @@ def closed_loop_summary(trained: list[StepLine], reports: list, loop: ClosedLoop
         "trainer_wait_s_total": round(sum(line.shard_wait_s or 0.0 for line in trained), 2),
         "engine_load_s_mean": mean([seconds for _, seconds in loop.load_times_s]),
         "engine_idle_share": round(loop.engine_idle_share(), 3),
+        "engines": engine_summaries(loop.engines.utilization()) if loop.engines is not None else [],
         "restored_versions": loop.restored_versions,
         "engine_replacements": list(loop.engine_watch.replacements) if loop.engine_watch is not None else [],
         "producers": counts,

@@ -4,6 +4,7 @@ prompt sources as pure functions of a position (no Ray: the producer actor runs 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 import pytest
@@ -134,7 +135,9 @@ def test_one_too_long_request_in_a_batched_engine_call_fails_only_its_own_caller
         def __init__(self):
             self.calls = []
 
-        async def generate_each(self, prompts, samplings):
+        names = ["scripted"]
+
+        async def generate_each(self, prompts, samplings, prefer=None):
             self.calls.append(len(prompts))
             if any(len(p) > 3 for p in prompts):
                 raise RequestTooLongError("request longer than max_model_len")
@@ -145,7 +148,8 @@ def test_one_too_long_request_in_a_batched_engine_call_fails_only_its_own_caller
     batcher = _Batcher(engines, {"engine_wait_s": 0.0})
 
     async def three_callers():
-        return await asyncio.gather(*[batcher.generate(p, SamplingConfig()) for p in ([1], [1, 2, 3, 4, 5], [2])],
+        return await asyncio.gather(*[batcher.generate(f"g-r{i}", p, SamplingConfig())
+                                      for i, p in enumerate(([1], [1, 2, 3, 4, 5], [2]))],
                                     return_exceptions=True)
 
     short, long, other = asyncio.run(three_callers())
@@ -160,10 +164,12 @@ def test_each_caller_of_a_batched_engine_call_is_answered_as_its_own_request_fin
     from actors.agent_producer import _Batcher
 
     class Engines:
+        names = ["scripted"]
+
         def __init__(self):
             self.long_may_finish = asyncio.Event()
 
-        async def generate_each(self, prompts, samplings):
+        async def generate_each(self, prompts, samplings, prefer=None):
             short, long = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
             yield short, await ScriptedEngine([[7]])(prompts[short], samplings[short])  # finishes first
             await self.long_may_finish.wait()
@@ -173,11 +179,48 @@ def test_each_caller_of_a_batched_engine_call_is_answered_as_its_own_request_fin
     batcher = _Batcher(engines, {"engine_wait_s": 0.0})
 
     async def two_callers():
-        long = asyncio.ensure_future(batcher.generate([1, 2], SamplingConfig()))
-        short = await batcher.generate([3], SamplingConfig())
+        long = asyncio.ensure_future(batcher.generate("g-r0", [1, 2], SamplingConfig()))
+        short = await batcher.generate("g-r1", [3], SamplingConfig())
         assert not long.done()  # answered while the long request still runs
         engines.long_may_finish.set()
         return short, await long
 
     short, long = asyncio.run(two_callers())
     assert short.response_token_ids.tolist() == [7] and long.response_token_ids.tolist() == [8, 8, 8]
+
+
+def test_a_rollouts_next_request_goes_to_the_engine_that_served_its_previous_one():
+    """Session-sticky routing in the producer: one call per preferred engine; a rollout without a previous request
+    (or whose group ended: `forget`) is left to the client's least-loaded choice."""
+    from actors.agent_producer import _Batcher
+
+    class Engines:
+        names = ["e0", "e1", "e2"]
+
+        def __init__(self):
+            self.calls = []
+
+        async def generate_each(self, prompts, samplings, prefer=None):
+            self.calls.append((prefer, len(prompts)))
+            engine = self.names[prefer if prefer is not None else len(self.calls) % 3]  # "least loaded"
+            for index, (prompt, sampling) in enumerate(zip(prompts, samplings)):
+                generation = await ScriptedEngine([[7]])(prompt, sampling)
+                yield index, dataclasses.replace(generation, engine=engine)
+
+    engines = Engines()
+    batcher = _Batcher(engines, {"engine_wait_s": 0.0})
+
+    async def turns(rollout_ids):
+        return await asyncio.gather(*[batcher.generate(r, [1], SamplingConfig()) for r in rollout_ids])
+
+    first = asyncio.run(turns(["a", "b"]))  # one call, no preference: served by e1
+    assert engines.calls == [(None, 2)] and {g.engine for g in first} == {"e1"}
+    asyncio.run(turns(["c"]))  # a new rollout alone: e2
+    engines.calls.clear()
+    again = asyncio.run(turns(["a", "b", "c", "d"]))
+    assert sorted(engines.calls, key=str) == sorted([(1, 2), (2, 1), (None, 1)], key=str)
+    assert [g.engine for g in again[:3]] == ["e1", "e1", "e2"]
+    batcher.forget(["a"])
+    engines.calls.clear()
+    asyncio.run(turns(["a"]))
+    assert engines.calls == [(None, 1)]

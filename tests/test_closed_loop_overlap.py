@@ -129,5 +129,7 @@ def test_few_finished_rollouts_are_dropped_as_stale_and_idle_shares_are_reported
         print(f"max_staleness={s}: engine idle share {loop['engine_idle_share']}, trainer idle share "
               f"{loop['trainer_idle_share']} ({waits:.2f} s of {summary['elapsed_s']} s), turns {loop['agent_metrics']}")
         assert 0.0 < loop["engine_idle_share"] < 1.0, loop
+        (engine,) = loop["engines"]  # one engine: it batched requests of several rollouts per step, loaded each version
+        assert engine["requests_per_step"] > 1 and engine["weight_loads"] >= summary["steps"], engine
         assert loop["trainer_idle_share"] == pytest.approx(waits / summary["elapsed_s"], abs=2e-3), (loop, waits)
         assert 1.0 < loop["agent_metrics"]["turns"] < 2.0, loop  # the digit agent's own metric, mean per rollout

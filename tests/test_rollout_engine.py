@@ -183,6 +183,11 @@ def test_after_a_load_a_prompt_seen_before_does_not_reuse_the_old_weights_cache(
     current = publish_weights(group, 5)
     engines.wait_for_weights(engines.update_weights(current))
     engines.generate(prompt, SamplingConfig(max_tokens=4, seed=2))  # fills the prefix cache under version 5
+    (before,) = engines.utilization()
+    engines.generate(prompt, SamplingConfig(max_tokens=4, seed=3))  # the same version: its blocks are reused
+    (after,) = engines.utilization()
+    assert after.prefix_cache_hits - before.prefix_cache_hits >= 128  # at least one whole block (128 tokens on CPU)
+    assert after.prefix_cache_hit_rate is not None
     engines.wait_for_weights(engines.update_weights(replace(v0, policy_version=6)))
     [again] = engines.generate(prompt, SamplingConfig(max_tokens=4, seed=2))
     [expected] = _megatron_log_probs(ray.get(v0.ref), [again])
