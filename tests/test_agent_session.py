@@ -177,3 +177,6 @@ def test_a_turn_sampled_across_a_weight_update_records_both_versions():
     asyncio.run(session.generate())
     (row,) = ctx.samples()
     assert (row["policy_version_min"], row["policy_version_max"]) == (3, 4)
+    # Per token, run-length encoded: 3 for the first token, 4 for the next two, -1 for the appended one, then 3.
+    assert row["policy_version_runs"].tolist() == [[3, 1], [4, 2], [-1, 1], [3, 1]]
+    validate_sample(Sample.from_dict({**row, "rollout_id": "q7-r0", "reward": 1.0}))

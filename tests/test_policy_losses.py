@@ -321,3 +321,21 @@ def test_an_untrained_token_never_reaches_the_loss_even_when_not_finite():
     loss = ResolvedLoss(policy=PolicyLoss(name="inf_off_mask", compute=compute))
     value, _ = micro_batch_loss(loss, NEW, WHOLE, behaviour_log_probs=BEHAVIOUR)
     assert math.isfinite(float(value)) and (WHOLE.loss_weight == 0).any()
+
+
+def test_decoupled_ppo_corrects_each_token_by_the_version_that_sampled_it():
+    """A step whose samples' tokens came from three policy versions (weights loaded while requests were in flight):
+    each token's behaviour log-prob is its own version's, and the loss weights each token by exp(proximal - that),
+    by hand. Treating the sample as sampled by one version (its oldest) gives another loss."""
+    versions = [log_probs_for(seed) for seed in (11, 12, 13)]  # the three versions' log-probs of every token
+    token_version = torch.tensor([0, 0, 1, 1, 1, 2] * (NEW.numel() // 6 + 1))[:NEW.numel()]
+    assert {len(set(v.tolist())) for v in per_sample(token_version) if len(v) >= 3} >= {3}  # a sample spans all three
+    behaviour = torch.stack(versions).gather(0, token_version[None])[0]
+    proximal = NEW.detach() + 0.2
+    loss = build_loss("decoupled_ppo", {"is_weight_cap": 2.0})
+    got, _ = micro_batch_loss(loss, NEW, WHOLE, behaviour_log_probs=behaviour, proximal_log_probs=proximal)
+    weights = torch.exp(proximal - behaviour).clamp(max=2.0)
+    hand = hand_step_loss(weights * ppo_terms(torch.exp(NEW - proximal), 0.2, 0.2), "rollout_token_mean")
+    assert float(got) == pytest.approx(hand, rel=1e-12)
+    oldest_only, _ = micro_batch_loss(loss, NEW, WHOLE, behaviour_log_probs=versions[0], proximal_log_probs=proximal)
+    assert abs(float(oldest_only) - hand) > 1e-3

@@ -34,6 +34,10 @@ def test_a_valid_rollout_passes_and_round_trips_through_dicts():
         (dict(rollout_size=2, sample_index=2), "rollout_size"),
         (dict(group_id="g"), "group"),
         (dict(reward=float("nan")), "reward"),
+        (dict(policy_version_min=2, policy_version_max=3, policy_version_runs=[[2, 1], [3, 2]]), "version_runs"),
+        (dict(policy_version_min=2, policy_version_max=3, policy_version_runs=[[2, 1], [4, 1]]), "version_runs"),
+        (dict(policy_version_runs=[[2, 2]]), "version_runs"),  # versions without policy_version_min/max
+        (dict(policy_version_min=2, policy_version_max=3, policy_version_runs=[2, 3]), "wrong_type"),
     ],
 )
 def test_each_sample_rule_is_named(overrides, rule):
@@ -78,3 +82,10 @@ def test_errors_survive_pickling():
     error = RolloutValidationError("r7", "mask_values", "bad", sample_index=2)
     again = pickle.loads(pickle.dumps(error))
     assert (again.rollout_id, again.rule, again.sample_index, str(again)) == ("r7", "mask_values", 2, str(error))
+
+
+def test_per_token_versions_round_trip_and_span_the_response():
+    row = sample(policy_version_min=2, policy_version_max=3, policy_version_runs=[[2, 1], [3, 1]])
+    validate_sample(row)
+    again = Sample.from_dict(row.to_dict())
+    assert again.policy_version_runs.tolist() == [[2, 1], [3, 1]] and again.policy_version_runs.dtype == np.int64

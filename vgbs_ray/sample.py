@@ -19,6 +19,9 @@ Rules (each has a name that errors carry in `RolloutValidationError.rule`):
   rollout_size        1 <= rollout_size, sample_index < rollout_size, when given
   group               group_id and group_size come together, group_size >= 1
   policy_version      policy_version_min and _max come together, 0 <= min <= max
+  version_runs        policy_version_runs, when given: [k, 2] (version, tokens) runs over the response,
+                      tokens >= 1 summing to response_length, versions -1 (not sampled: mask 0) or
+                      within [policy_version_min, policy_version_max]
   sibling_rollout_id  siblings share one rollout_id
   sibling_reward      siblings share one reward
   sibling_rollout_size siblings agree on rollout_size
@@ -64,6 +67,9 @@ class Sample:
     """Oldest policy version (optimizer steps taken) whose weights generated a token of this sample."""
     policy_version_max: int | None = None
     """Newest such version (differs from the oldest when generation spanned a weight update)."""
+    policy_version_runs: np.ndarray | None = None
+    """int64 [k, 2]: the version that sampled each response token, run-length encoded as (version, tokens)
+    rows in order; -1 for tokens the policy did not sample (mask 0: tool replies, template text)."""
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @cached_property
@@ -80,7 +86,7 @@ class Sample:
         sample; the other rules are `validate_sample`'s.
         """
         (rollout_id, tokens, response_length, loss_mask, reward, sample_index, rollout_size, advantage, group_id,
-         group_size, log_probs, version_min, version_max, metadata) = _field_values({**_ABSENT, **row})
+         group_size, log_probs, version_min, version_max, version_runs, metadata) = _field_values({**_ABSENT, **row})
         if rollout_id is None or tokens is None or response_length is None or loss_mask is None or reward is None:
             # A Ray Data row carries a missing column as None.
             missing = [k for k in _REQUIRED_FIELDS if row.get(k) is None]
@@ -111,7 +117,7 @@ class Sample:
             tokens = tokens.astype(np.int64)
         if not _is_int_vector(loss_mask):
             loss_mask = _FieldReader(rollout_id, sample_index).int_array(loss_mask, "loss_mask")
-        # Built without the frozen __init__ (14 object.__setattr__ calls, a third of this method,
+        # Built without the frozen __init__ (15 object.__setattr__ calls, a third of this method,
         # which runs for every pushed sample): every field is given and typed right here.
         sample = object.__new__(cls)
         sample.__dict__.update(
@@ -129,6 +135,7 @@ class Sample:
             rollout_log_probs=None if log_probs is None else np.asarray(log_probs, dtype=np.float32).reshape(-1),
             policy_version_min=version_min,
             policy_version_max=version_max,
+            policy_version_runs=None if version_runs is None else _version_runs(version_runs, rollout_id, sample_index),
             metadata={**(metadata or {}), **extra},
         )
         return sample
@@ -149,6 +156,7 @@ class Sample:
             "rollout_log_probs": self.rollout_log_probs,
             "policy_version_min": self.policy_version_min,
             "policy_version_max": self.policy_version_max,
+            "policy_version_runs": self.policy_version_runs,
             "metadata": self.metadata,
         }
 
@@ -170,7 +178,7 @@ _REQUIRED_FIELDS = ("rollout_id", "tokens", "response_length", "loss_mask", "rew
 # its fields cannot silently swap two values).
 _FIELD_ORDER = ("rollout_id", "tokens", "response_length", "loss_mask", "reward", "sample_index", "rollout_size",
                 "advantage", "group_id", "group_size", "rollout_log_probs", "policy_version_min",
-                "policy_version_max", "metadata")
+                "policy_version_max", "policy_version_runs", "metadata")
 assert set(_FIELD_ORDER) == set(Sample.__dataclass_fields__), "_FIELD_ORDER must list every Sample field"
 _SAMPLE_FIELDS = frozenset(_FIELD_ORDER)
 _ABSENT = dict.fromkeys(_FIELD_ORDER)                 # a row's missing keys read as None
@@ -240,6 +248,19 @@ class _FieldReader:
         return None if _is_nan(value) else self.number(value, name)
 
 
+def _version_runs(value, rollout_id, sample_index) -> np.ndarray:
+    """(version, tokens) runs as int64 [k, 2] (a Ray Data row may carry them as a list of pairs)."""
+    try:
+        runs = np.asarray(value, dtype=np.int64)
+    except (TypeError, ValueError) as error:
+        raise RolloutValidationError(rollout_id, "wrong_type", f"policy_version_runs must be (version, tokens) integer "
+                                     f"pairs ({error})", sample_index=sample_index) from None
+    if runs.size == 0 or runs.ndim != 2 or runs.shape[1] != 2:
+        raise RolloutValidationError(rollout_id, "wrong_type", "policy_version_runs must be a non-empty list of "
+                                     f"(version, tokens) pairs, got shape {runs.shape}", sample_index=sample_index)
+    return runs
+
+
 def _optional_scalar(value):
     if value is None or _is_nan(value):
         return None
@@ -299,6 +320,17 @@ def validate_sample(sample: Sample, *, vocab_size: int | None = None, max_sequen
     low, high = sample.policy_version_min, sample.policy_version_max
     if (low is None) != (high is None) or (low is not None and not 0 <= low <= high):
         fail("policy_version", f"policy_version_min/max come together with 0 <= min <= max, got {low!r}/{high!r}")
+    runs = sample.policy_version_runs
+    if runs is not None:
+        versions, counts = runs[:, 0], runs[:, 1]
+        sampled = versions[versions != -1]
+        if counts.min() < 1 or int(counts.sum()) != sample.response_length:
+            fail("version_runs", f"policy_version_runs' token counts must be >= 1 and sum to response_length="
+                                 f"{sample.response_length}, got {counts.tolist()}")
+        if sampled.size and (low is None or int(sampled.min()) < low or int(sampled.max()) > high) \
+                or (versions < -1).any():
+            fail("version_runs", f"policy_version_runs' versions {sorted(set(versions.tolist()))} must be -1 or within "
+                                 f"policy_version_min/max {low!r}/{high!r}")
 
 
 def _is_zero_one(mask: np.ndarray) -> bool:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
+
 
 class SampleRecord:
     def __init__(self, path: str):
@@ -30,7 +32,9 @@ class SampleRecord:
             rollout["samples"].append({
                 "token_ids": [int(t) for t in sample["tokens"]], "loss_mask": [int(m) for m in sample["loss_mask"]],
                 "response_length": int(sample["response_length"]),
-                "policy_versions": [sample.get("policy_version_min"), sample.get("policy_version_max")]})
+                "policy_versions": [sample.get("policy_version_min"), sample.get("policy_version_max")],
+                "policy_version_runs": (None if sample.get("policy_version_runs") is None
+                                        else np.asarray(sample["policy_version_runs"]).tolist())})
         for rollout in rollouts.values():
             self._file.write(json.dumps(rollout, default=str) + "\n")
         self._file.flush()

@@ -46,6 +46,13 @@ class SessionError(VgbsError, ValueError):
     """A session was misused (empty prompt, generate without a tokenizer, ...); names the rollout."""
 
 
+def run_lengths(values: Sequence[int]) -> np.ndarray:
+    """int64 [k, 2]: (value, count) runs of `values` in order (a sample's `policy_version_runs`)."""
+    values = np.asarray(values, dtype=np.int64)
+    starts = np.flatnonzero(np.r_[True, values[1:] != values[:-1]])
+    return np.stack([values[starts], np.diff(np.r_[starts, len(values)])], axis=1)
+
+
 @dataclass
 class Segment:
     """One append-only token history of a session; it becomes one sample (see module docstring)."""
@@ -56,14 +63,17 @@ class Segment:
     """One per token after the prompt: 1 generated, 0 appended by the environment."""
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    """Policy version of every generation in this segment."""
+    """Policy versions of every generation in this segment."""
+    token_versions: list[int] = field(default_factory=list)
+    """One per token after the prompt: the version that sampled it, -1 for an appended one."""
 
     def to_row(self) -> dict:
         """The segment as a push-API sample dict (without the rollout's shared fields)."""
         return dict(tokens=np.asarray(self.tokens, dtype=np.int64), response_length=len(self.loss_mask),
                     loss_mask=np.asarray(self.loss_mask, dtype=np.int8),
                     rollout_log_probs=np.asarray(self.log_probs, dtype=np.float32),
-                    policy_version_min=min(self.versions), policy_version_max=max(self.versions))
+                    policy_version_min=min(self.versions), policy_version_max=max(self.versions),
+                    policy_version_runs=run_lengths(self.token_versions))
 
 
 class TokenSession:
@@ -88,6 +98,7 @@ class TokenSession:
         segment.loss_mask += [1] * len(response)
         segment.log_probs += [float(p) for p in generation.response_log_probs]
         segment.versions += [version for version, _ in generation.version_runs] or [int(generation.policy_version)]
+        segment.token_versions += generation.token_versions().tolist()
         return generation
 
     def append(self, token_ids: Sequence[int]) -> None:
@@ -102,6 +113,7 @@ class TokenSession:
         segment.tokens += ids
         segment.loss_mask += [0] * len(ids)
         segment.log_probs += [0.0] * len(ids)
+        segment.token_versions += [-1] * len(ids)
 
     def restart(self, prompt_token_ids: Sequence[int]) -> None:
         """Start a new segment (a new sample of the same rollout) from these ids; the current one is kept."""
