@@ -229,6 +229,7 @@ class RolloutEngine:
         self._busy_s = self._idle_s = 0.0
         self._engine_steps = self._request_steps = self._requests = 0
         self._weight_loads = self._in_flight_loads = 0
+        self._prefix_cache_counts = {"vllm:prefix_cache_queries": 0, "vllm:prefix_cache_hits": 0}
         threading.Thread(target=self._serve, name=f"{name}-vllm", daemon=True).start()
 
     # -- the actor's API (async: callers queue, the engine thread serves) --------------------
@@ -371,11 +372,13 @@ class RolloutEngine:
         return max(self.policy_version, self._serve_from or 0)
 
     def utilization(self) -> EngineUtilization:
-        counters = {metric.name: metric.value for metric in self.llm.get_metrics()
-                    if metric.name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")}
+        llm = self.llm  # None while a reload by restart builds the next one: the previous counts stand
+        if llm is not None:
+            self._prefix_cache_counts.update({metric.name: int(metric.value) for metric in llm.get_metrics()
+                                              if metric.name in self._prefix_cache_counts})
         return EngineUtilization(engine=self.name, busy_s=self._busy_s, idle_s=self._idle_s,
-                                 prefix_cache_queries=int(counters.get("vllm:prefix_cache_queries", 0)),
-                                 prefix_cache_hits=int(counters.get("vllm:prefix_cache_hits", 0)),
+                                 prefix_cache_queries=self._prefix_cache_counts["vllm:prefix_cache_queries"],
+                                 prefix_cache_hits=self._prefix_cache_counts["vllm:prefix_cache_hits"],
                                  engine_steps=self._engine_steps, request_steps=self._request_steps,
                                  requests=self._requests, weight_loads=self._weight_loads,
                                  in_flight_loads=self._in_flight_loads,
@@ -557,7 +560,7 @@ class RolloutEngine:
             if os.path.isfile(os.path.join(self._model_dir, name)):
                 shutil.copy(os.path.join(self._model_dir, name), os.path.join(version_dir, name))
         previous = self._llm_kwargs["model"]
-        del self.llm
+        self.llm = None  # freed before the next one loads (`utilization` reads the attribute meanwhile)
         gc.collect()
         self._llm_kwargs = dict(self._llm_kwargs, model=version_dir, load_format="auto")
         self.llm = LLM(**self._llm_kwargs)
