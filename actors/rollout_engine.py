@@ -397,7 +397,7 @@ class RolloutEngine:
         vLLM requests at the next step and leave it when they finish (continuous batching); a weight update is
         applied between two steps, with requests in flight (see `_load`)."""
         while True:
-            if not self._requests_in_flight and self._calls.empty():
+            if not self._requests_in_flight and self._held_update is None and self._calls.empty():
                 waited = time.perf_counter()
                 call = self._calls.get()
                 self._idle_s += time.perf_counter() - waited
@@ -413,29 +413,23 @@ class RolloutEngine:
             elif self._held_update is not None:  # a load that waited for the engine to empty (reload by restart)
                 update, self._held_update = self._held_update, None
                 self._apply_update(update)
-                for call in self._held_calls:
-                    self._add_requests(call)
-                self._held_calls = []
+                held, self._held_calls = self._held_calls, []
+                for call in held:  # in order; a later update is held again behind the requests added before it
+                    self._accept(call)
             self._call_started = None
             self._busy_s += time.perf_counter() - started
 
     def _accept(self, call: _Call) -> None:
-        if call.kind == "update":
-            if self._held_update is None and (not self._requests_in_flight or not self.reload_by_restart):
-                self._apply_update(call)
-            elif self._held_update is None:
-                self._held_update = call
-            else:  # a second update behind a held one: applied after it, in order
-                self._held_calls.append(call)
-        elif self._held_update is not None:
+        if self._held_update is not None:  # behind a held load: taken in order once it is applied
             self._held_calls.append(call)
+        elif call.kind == "update" and self.reload_by_restart and self._requests_in_flight:
+            self._held_update = call  # a restart would lose them: applied once the engine is empty
+        elif call.kind == "update":
+            self._apply_update(call)
         else:
             self._add_requests(call)
 
     def _add_requests(self, call: _Call) -> None:
-        if call.kind == "update":
-            self._apply_update(call)
-            return
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 

@@ -28,6 +28,7 @@ def engine_summaries(usage) -> list[dict]:
              "prefix_cache_hit_rate": None if u.prefix_cache_hit_rate is None else round(u.prefix_cache_hit_rate, 3)}
             for u in usage]
 
+
 def step_line(result, record) -> StepLine:
     return StepLine(
         step=result.step, num_rollouts=result.num_rollouts, num_samples=record.num_samples,
