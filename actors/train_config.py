@@ -11,6 +11,7 @@ from typing import Literal
 
 from vgbs_ray.config import ParallelConfig
 from vgbs_ray.errors import ConfigError
+from vgbs_ray.lora import LoraConfig
 from vgbs_ray.lr_schedule import LRScheduleConfig
 from vgbs_ray.metrics import MetricPairs
 from vgbs_ray.model_families import RopeScaling, WeightLayout, get_family
@@ -201,6 +202,8 @@ class TrainGroupConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    lora: LoraConfig | None = None
+    """Train LoRA adapters on the frozen model (docs/lora.md); None trains every weight."""
     dp_size: int = 1
     tp_size: int = 1
     pp_size: int = 1
@@ -237,6 +240,8 @@ class TrainGroupConfig:
                 raise ConfigError(f"TrainGroupConfig.{name} must be a positive integer, got {value!r}")
         self._check_pipeline()
         self._check_experts()
+        if self.lora is not None:
+            self.lora.check_model(num_experts=self.model.num_experts, family=self.model.family)
         if self.model.params_dtype == "bfloat16" and self.backend != "nccl":
             raise ConfigError(
                 "TrainGroupConfig: model.params_dtype='bfloat16' needs backend='nccl' (a GPU): Megatron-Core 0.16.1's "

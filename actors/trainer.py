@@ -310,11 +310,12 @@ class RankTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.consumed_rollouts = int(state["consumed_rollouts"])
 
-    def full_parameters(self) -> dict[str, np.ndarray]:
-        """Every parameter of the whole model, global names (collective over TP and PP: every such peer must call).
-        bf16 parameters come out as float32 arrays (numpy has no bfloat16; the conversion is exact)."""
+    def full_parameters(self, *, adapters: bool = False) -> dict[str, np.ndarray]:
+        """Every parameter of the whole model, global names (collective over TP and PP: every such peer must call);
+        with LoRA the base's, or the adapters' (`adapters=True`). bf16 parameters come out as float32 arrays
+        (numpy has no bfloat16; the conversion is exact)."""
         return {name: (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
-                for name, tensor in self.megatron.full_parameters().items()}
+                for name, tensor in self.megatron.full_parameters(adapters=adapters).items()}
 
     def load_full_parameters(self, full: dict) -> None:
         """Set this rank's parameters from whole-model arrays (as `full_parameters` returns them)."""

@@ -1,0 +1,185 @@
+"""LoRA on the Megatron trainer: exactness at start, only adapters train, TP/DP invariance, PEFT files that peft loads.
+
+In-process ranks (a world-size-1 gloo group) and two spawned gloo ranks for TP=2 and DP=2; the Hugging Face side
+is transformers + peft on tiny random checkpoints made in code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from actors.train_config import TrainGroupConfig
+from tests.hf_support import megatron_logits, model_config_for, tiny_hf_model
+from tests.train_support import inprocess_trainer, make_samples, run_two_ranks, sgd_config
+from vgbs_ray.config import BatchConfig, ParallelConfig
+from vgbs_ray.errors import ConfigError
+from vgbs_ray.lora import (AdapterMismatchError, LoraConfig, base_model_name, load_peft_adapter,
+                           merge_into_hf_weights, save_peft_adapter)
+from vgbs_ray.schedule import build_dp_schedule
+from vgbs_ray.shard import build_step_shards
+
+LORA = LoraConfig(rank=4, alpha=8.0)
+
+
+def random_adapters(trainer, seed: int, scale: float = 0.05) -> dict[str, np.ndarray]:
+    """Whole-model adapters with B non-zero too (at start B = 0, which hides a wrong B layout)."""
+    rng = np.random.default_rng(seed)
+    return {name: (scale * rng.standard_normal(a.shape)).astype(np.float32)
+            for name, a in trainer.full_parameters(adapters=True).items()}
+
+
+def one_step_shards(samples, dp_size: int):
+    schedule = build_dp_schedule([s.total_length for s in samples], [s.rollout_id for s in samples],
+                                 ParallelConfig(dp_size=dp_size),
+                                 BatchConfig(global_batch_size=len({s.rollout_id for s in samples}),
+                                             max_tokens_per_gpu=160))
+    return build_step_shards(samples, schedule.steps[0], 0)
+
+
+# -- config ------------------------------------------------------------------------------------
+
+def test_bad_lora_configs_are_refused_naming_the_key_and_the_valid_values():
+    with pytest.raises(ConfigError, match=r"\['qkv'\] are not modules of the model; valid: \['q_proj'"):
+        LoraConfig(target_modules=("q_proj", "qkv"))
+    with pytest.raises(ConfigError, match="rank must be a positive integer, got 0"):
+        LoraConfig(rank=0)
+    with pytest.raises(ConfigError, match="alpha must be > 0, got -1"):
+        LoraConfig(alpha=-1)
+    with pytest.raises(ConfigError, match="each target once"):
+        LoraConfig(target_modules=("q_proj", "q_proj"))
+
+
+def test_lora_on_the_experts_of_a_mixture_of_experts_is_refused_with_the_reason(tmp_path):
+    tiny_hf_model(tmp_path, "qwen3_moe")
+    model = model_config_for(tmp_path)
+    with pytest.raises(ConfigError, match=r"mixture of experts.*\['gate_proj', 'up_proj', 'down_proj'\].*"
+                                          r"target_modules=\['q_proj', 'k_proj', 'v_proj', 'o_proj'\]"):
+        TrainGroupConfig(model=model, lora=LoraConfig())
+    TrainGroupConfig(model=model, lora=LoraConfig(target_modules=("q_proj", "k_proj", "v_proj", "o_proj")))
+
+
+# -- the trainer -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("targets", [LORA.target_modules, ("q_proj", "v_proj", "up_proj")])
+def test_adapters_at_start_give_the_base_models_logits_exactly(targets):
+    from actors.model import build_gpt_model
+
+    config = sgd_config(lora=dataclasses.replace(LORA, target_modules=targets))
+    trainer = inprocess_trainer(config)
+    base = build_gpt_model(config.model)
+    tokens = list(range(3, 40))
+    assert torch.equal(megatron_logits(trainer.megatron.chunks[0].module, tokens), megatron_logits(base, tokens))
+
+
+def test_a_step_trains_the_adapters_and_leaves_every_base_weight_bit_identical():
+    trainer = inprocess_trainer(sgd_config(lora=LORA))
+    trainer.load_full_parameters(random_adapters(trainer, 1))
+    base, adapters = trainer.full_parameters(), trainer.full_parameters(adapters=True)
+    trainable = [name for name, p in trainer.megatron.chunks[0].module.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora." in name for name in trainable)
+    trainer.train_shard(one_step_shards(make_samples(3, 6), 1)[0])
+    after = trainer.full_parameters()
+    assert all(np.array_equal(base[name], after[name]) for name in base)
+    moved = {name: float(np.abs(a - adapters[name]).max()) for name, a in trainer.full_parameters(adapters=True).items()}
+    assert all(change > 0 for change in moved.values()), moved  # A and B of every target
+
+
+def _lora_step_worker(rank: int, port: int, layout: str, samples, start: dict, results) -> None:
+    """Spawned: TP=2 or DP=2 ranks train one LoRA step from `start`; rank 0 reports (logits before, adapters after)."""
+    try:
+        torch.set_num_threads(1)
+        from actors.distributed import init_distributed
+        from actors.trainer import RankTrainer
+
+        tp_size, dp_size = (2, 1) if layout == "tp" else (1, 2)
+        info = init_distributed(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port, backend="gloo",
+                                timeout_s=60, tp_size=tp_size, pp_size=1, cp_size=1)
+        trainer = RankTrainer(sgd_config(lora=LORA, tp_size=tp_size, dp_size=dp_size), info)
+        trainer.load_full_parameters(start)
+        logits = megatron_logits(trainer.megatron.chunks[0].module, list(range(3, 30))).contiguous()
+        if tp_size == 2:  # the vocabulary is split over TP ranks
+            parts = [torch.empty_like(logits) for _ in range(2)]
+            torch.distributed.all_gather(parts, logits)
+            logits = torch.cat(parts, dim=-1)
+        trainer.train_shard(one_step_shards(samples, dp_size)[info.dp_rank])
+        adapters = trainer.full_parameters(adapters=True)
+        results.put((rank, logits.numpy(), adapters, None) if rank == 0 else (rank, None, None, None))
+    except BaseException as error:  # report, never hang the parent
+        results.put((rank, None, None, repr(error)))
+    finally:
+        results.close()
+        results.join_thread()
+        os._exit(0)
+
+
+@pytest.mark.parametrize("layout", ["tp", "dp"])
+def test_a_lora_step_at_tp2_and_dp2_equals_the_step_at_one_rank(layout):
+    samples = make_samples(5, 8)
+    trainer = inprocess_trainer(sgd_config(lora=LORA))
+    start = {**trainer.full_parameters(), **random_adapters(trainer, 2)}
+    trainer.load_full_parameters(start)
+    expected_logits = megatron_logits(trainer.megatron.chunks[0].module, list(range(3, 30))).numpy()
+    before = trainer.full_parameters(adapters=True)
+    trainer.train_shard(one_step_shards(samples, 1)[0])
+    expected = trainer.full_parameters(adapters=True)
+    (_, logits, adapters, _), _ = run_two_ranks(_lora_step_worker, layout, samples, start)
+    np.testing.assert_allclose(logits, expected_logits, atol=2e-5, rtol=0)
+    for name in expected:
+        update, got = expected[name] - before[name], adapters[name] - before[name]
+        assert np.linalg.norm(got - update) <= 1e-5 * np.linalg.norm(update) + 1e-7, name
+
+
+# -- PEFT files --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", ["llama3_tied", "qwen2", "qwen3_untied"])
+def test_the_adapter_files_load_in_peft_with_the_trainers_logits(tmp_path, shape):
+    from peft import PeftModel
+
+    hf_model = tiny_hf_model(tmp_path / "base", shape)
+    model = model_config_for(tmp_path / "base")
+    trainer = inprocess_trainer(TrainGroupConfig(model=model, lora=LORA))
+    trainer.load_full_parameters(random_adapters(trainer, 3, scale=0.2))
+    adapters = trainer.full_parameters(adapters=True)
+    save_peft_adapter(str(tmp_path / "adapter"), adapters, LORA, base_model_name(model))
+    tokens = [5, 17, 3, 60, 2, 9, 41, 7]
+    trained = megatron_logits(trainer.megatron.chunks[0].module, tokens)
+    with torch.no_grad():
+        base_logits = hf_model(torch.tensor([tokens])).logits[0]
+        peft_logits = PeftModel.from_pretrained(hf_model, str(tmp_path / "adapter")).eval()(
+            torch.tensor([tokens])).logits[0]
+    assert float((trained - base_logits).abs().max()) > 1e-2  # the adapter changes the model
+    assert torch.allclose(trained, peft_logits, atol=1e-4, rtol=0), float((trained - peft_logits).abs().max())
+
+    # merged into a full checkpoint: the same logits without peft
+    from actors.hf_checkpoint import read_hf_weights, write_hf_checkpoint
+
+    hf = {name: t.numpy() for name, t in read_hf_weights(tmp_path / "base").items()}
+    merged = merge_into_hf_weights(hf, adapters, LORA)
+    write_hf_checkpoint(tmp_path / "merged", model, {name: torch.from_numpy(a) for name, a in merged.items()})
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        merged_logits = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()(
+            torch.tensor([tokens])).logits[0]
+    assert torch.allclose(trained, merged_logits, atol=1e-4, rtol=0)
+
+
+def test_an_adapter_for_another_base_is_refused_naming_both(tmp_path):
+    from actors.lora_layers import adapter_shapes
+
+    small = sgd_config().model
+    large = dataclasses.replace(small, hidden_size=256)
+    trainer = inprocess_trainer(sgd_config(lora=LORA))
+    save_peft_adapter(str(tmp_path), trainer.full_parameters(adapters=True), LORA, base_model_name(small))
+    lora, tensors = load_peft_adapter(str(tmp_path), expected_shapes=adapter_shapes(LORA, small),
+                                      base_model_name_or_path=base_model_name(small))
+    assert lora.rank == LORA.rank and set(tensors) == set(adapter_shapes(LORA, small))
+    with pytest.raises(AdapterMismatchError, match=r"made for base 'vgbs-ray:llama-layers2-hidden128.*this model is "
+                                                   r"'vgbs-ray:llama-layers2-hidden256"):
+        load_peft_adapter(str(tmp_path), expected_shapes=adapter_shapes(LORA, large),
+                          base_model_name_or_path=base_model_name(large))
