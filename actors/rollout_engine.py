@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
+import tempfile
 import threading
 import time
 import warnings
@@ -51,12 +52,15 @@ from actors.weight_sync import PublishedWeights, WeightLoad
 from vgbs_ray.agents.generation import Generation, RequestTooLongError, SamplingConfig
 from vgbs_ray.checkpoint_files import TOKENIZER_FILES, has_tokenizer, has_weights
 from vgbs_ray.errors import ConfigError, VgbsError
+from vgbs_ray.lora import PEFT_PREFIX, LoraConfig, save_peft_adapter
 
 # In-process vLLM without torch.compile (measured: start-up ~2 s, first logprobs call without a 14 s compile).
 _CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1"}
 _GPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 _CPU_BATCHED_TOKENS = 2048
 """Tokens one CPU engine step may hold (vLLM's default budget; at least one whole prompt: no chunked prefill)."""
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The max_lora_rank values vLLM 0.32 accepts."""
 
 
 class EngineError(VgbsError, RuntimeError):
@@ -95,6 +99,9 @@ class EngineConfig:
     """Placement group, actor start, vLLM import and engine construction together."""
     call_timeout_s: float = 300.0
     """A generate or weight load that takes longer fails with an error naming the engine."""
+    lora: LoraConfig | None = None
+    """Serve the policy as the base plus a LoRA adapter (vLLM's LoRA support); the job sets it from train.lora.
+    A weight load then carries the adapter (PEFT names), and the base only when it changes (the first load)."""
 
     def __post_init__(self):
         if self.num_engines < 1:
@@ -109,6 +116,8 @@ class EngineConfig:
         for name in ("kv_cache_gib", "startup_timeout_s", "call_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.lora is not None and self.lora.rank > _VLLM_LORA_RANKS[-1]:
+            raise ConfigError(f"train.lora.rank={self.lora.rank}: vLLM serves adapters of rank <= {_VLLM_LORA_RANKS[-1]}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("EngineConfig.gpu_memory_utilization must be in (0, 1], "
                               f"got {self.gpu_memory_utilization}")
@@ -208,8 +217,13 @@ class RolloutEngine:
             kwargs.update(kv_cache_memory_bytes=int(config.kv_cache_gib * (1 << 30)), enforce_eager=True,
                           enable_chunked_prefill=False,
                           max_num_batched_tokens=max(config.max_model_len, _CPU_BATCHED_TOKENS))
+        if config.lora is not None:  # one adapter, the policy's; vLLM sizes its slots by the next rank it offers
+            kwargs.update(enable_lora=True, max_loras=1,
+                          max_lora_rank=next(r for r in _VLLM_LORA_RANKS if r >= config.lora.rank))
         self.llm = LLM(**kwargs)
         self._llm_kwargs, self._model_dir = kwargs, model_dir
+        self._lora_request = None  # the policy's adapter once loaded (every request then samples with it)
+        self._adapter_dir: str | None = None
         # vLLM 0.32's in-place reload on CPU corrupts a mixture of experts (reloading the very same weights
         # changes its outputs: the router's CPU GEMM dropped its weight when it was packed). There the
         # engine loads a new version by starting a new LLM from the version's files instead.
@@ -422,7 +436,7 @@ class RolloutEngine:
     def _accept(self, call: _Call) -> None:
         if self._held_update is not None:  # behind a held load: taken in order once it is applied
             self._held_calls.append(call)
-        elif call.kind == "update" and self.reload_by_restart and self._requests_in_flight:
+        elif call.kind == "update" and self.reload_by_restart and self._requests_in_flight and _has_base(call):
             self._held_update = call  # a restart would lose them: applied once the engine is empty
         elif call.kind == "update":
             self._apply_update(call)
@@ -449,7 +463,8 @@ class RolloutEngine:
                                         output_kind=RequestOutputKind.FINAL_ONLY)
                 request_id = f"{self._next_request}"
                 self._next_request += 1
-                engine.add_request(request_id, {"prompt_token_ids": prompt.tolist()}, params)
+                engine.add_request(request_id, {"prompt_token_ids": prompt.tolist()}, params,
+                                   lora_request=self._lora_request)
                 added.append(request_id)
                 self._requests_in_flight[request_id] = (call, index)
         except BaseException as error:  # noqa: BLE001 - this call fails; the others go on
@@ -521,14 +536,24 @@ class RolloutEngine:
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             tensors = [(name, array if isinstance(array, torch.Tensor) else torch.from_numpy(np.asarray(array)))
                        for name, array in weights.items()]
-        if self.reload_by_restart:  # only with nothing in flight (`_accept` held the load until then)
-            self._restart_with(tensors, policy_version)
-        else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+        adapter = [(name, t) for name, t in tensors if name.startswith(PEFT_PREFIX)]
+        base = [(name, t) for name, t in tensors if not name.startswith(PEFT_PREFIX)]
+        if adapter and self.config.lora is None:
+            raise EngineError(f"{self.name}: version {policy_version} carries a LoRA adapter ({adapter[0][0]}, ...) "
+                              "but the engine was started without EngineConfig.lora")
+        restarted = bool(base) and self.reload_by_restart  # only with nothing in flight (`_accept` held it)
+        if restarted:
+            self._restart_with(base, policy_version)
+        elif base:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": base})
             self.llm.collective_rpc(_refresh_tied_output_layer)
-            if not self.llm.llm_engine.reset_prefix_cache(reset_running_requests=in_flight > 0):
-                raise EngineError(f"{self.name}: vLLM did not reset its prefix cache after loading version "
-                                  f"{policy_version}; the engine would reuse the old weights' keys and values")
+        if adapter or (restarted and self._lora_request is not None):  # a new LLM has no adapter yet
+            self._load_adapter(adapter)
+        # A load by restart starts from an empty cache; else cached keys and values (the adapter's too: vLLM
+        # keys its cache by adapter id, which a load in place keeps) belong to the previous version.
+        if not restarted and not self.llm.llm_engine.reset_prefix_cache(reset_running_requests=in_flight > 0):
+            raise EngineError(f"{self.name}: vLLM did not reset its prefix cache after loading version "
+                              f"{policy_version}; the engine would reuse the old weights' keys and values")
         self.llm.llm_engine.set_weight_version(str(policy_version))
         self.policy_version = policy_version
         self._weight_loads += 1
@@ -536,6 +561,22 @@ class RolloutEngine:
         return WeightLoad(engine=self.name, policy_version=policy_version, load_time_s=time.perf_counter() - start,
                           num_bytes=sum(t.numel() * t.element_size() for _, t in tensors),
                           requests_in_flight=in_flight)
+
+    def _load_adapter(self, adapter: list) -> None:
+        """The policy's adapter (PEFT names -> tensors; none: the files of the last one) into vLLM, in place of
+        the previous one (same adapter id, `load_inplace`): requests in flight go on with it. PEFT files in a
+        directory of this engine, as vLLM's LoRA loader reads them."""
+        from vllm.lora.request import LoRARequest
+
+        if self._adapter_dir is None:
+            self._adapter_dir = tempfile.mkdtemp(prefix=f"{self.name}-adapter-",
+                                                 dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        if adapter:
+            save_peft_adapter(self._adapter_dir, {name: t.float().numpy() for name, t in adapter}, self.config.lora,
+                              base_model_name_or_path=self._model_dir)
+        self._lora_request = LoRARequest("policy", 1, self._adapter_dir, load_inplace=True)
+        if not self.llm.llm_engine.add_lora(self._lora_request):
+            raise EngineError(f"{self.name}: vLLM did not load the policy's LoRA adapter from {self._adapter_dir}")
 
     def _restart_with(self, tensors: list, policy_version: int) -> None:
         """A new LLM from this version's weights, written to a temporary directory with the start checkpoint's
@@ -560,6 +601,11 @@ class RolloutEngine:
         self.llm = LLM(**self._llm_kwargs)
         if previous != self._model_dir:
             shutil.rmtree(previous, ignore_errors=True)
+
+
+def _has_base(call: _Call) -> bool:
+    """An update that carries base weights (not only the LoRA adapter)."""
+    return any(not name.startswith(PEFT_PREFIX) for name in call.payload[1])
 
 
 def _is_mixture_of_experts(model_dir: str) -> bool:

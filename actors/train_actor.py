@@ -101,14 +101,22 @@ class TrainActor:
     def load_full_parameters(self, full: dict) -> None:
         self.trainer.load_full_parameters(full)
 
-    def export_hf_weights(self):
+    def export_hf_weights(self, include_base: bool = True):
         """Weight sync (actors/weight_sync.py): on global rank 0, (object ref of the HF-named weights,
         bytes), owned by this actor; None on other ranks. Every rank of the first replica must call it
         (`RankInfo.in_first_replica`: they gather the whole model together)."""
         from actors.weight_sync import put_hf_weights
 
-        full = self.trainer.full_parameters()
-        return put_hf_weights(full, self.config.model) if self.rank == 0 else None
+        base, adapters = self._policy_weights(include_base)
+        return put_hf_weights(base, self.config.model, adapters) if self.rank == 0 else None
+
+    def _policy_weights(self, include_base: bool) -> tuple[dict, dict | None]:
+        """(base, adapters) as the engines need them: without LoRA the whole model and no adapters; with LoRA the
+        adapters, and the frozen base only when asked (a collective over the first replica, like the export)."""
+        if self.config.lora is None:
+            return self.trainer.full_parameters(), None
+        base = self.trainer.full_parameters() if include_base else {}
+        return base, self.trainer.full_parameters(adapters=True)
 
     def open_weight_channel(self, address: str, world_size: int, backend: str, timeout_s: float) -> None:
         """Rank 0: host the weight channel to the engines (actors/weight_channel.py); blocks until they joined."""
@@ -122,18 +130,19 @@ class TrainActor:
         self._weight_channel = WeightChannel(address, rank=0, world_size=world_size, backend=backend,
                                              timeout_s=timeout_s)
 
-    def send_weights(self, policy_version: int, bucket_bytes: int, dtype: str) -> tuple[int, float] | None:
+    def send_weights(self, policy_version: int, bucket_bytes: int, dtype: str,
+                     include_base: bool = True) -> tuple[int, float] | None:
         """Weight sync over the channel: on global rank 0 (bytes sent, seconds), None on the other ranks of the
         first replica, which must call it too (they gather the full weights together)."""
         import time
 
         from actors.weight_sync import hf_tensors_from_full
 
-        full = self.trainer.full_parameters()
+        base, adapters = self._policy_weights(include_base)
         if self.rank != 0:
             return None
         started = time.perf_counter()
-        tensors = hf_tensors_from_full(full, self.config.model, dtype=getattr(torch, dtype))
+        tensors = hf_tensors_from_full(base, self.config.model, dtype=getattr(torch, dtype), adapters=adapters)
         sent = self._weight_channel.send(tensors, policy_version=policy_version, bucket_bytes=bucket_bytes)
         return sent, time.perf_counter() - started
 

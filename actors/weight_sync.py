@@ -97,32 +97,35 @@ class WeightLoad:
     """Requests running when it was applied (they went on under the new weights)."""
 
 
-def hf_tensors_from_full(full: dict[str, np.ndarray], model: ModelConfig, dtype=None) -> dict:
+def hf_tensors_from_full(full: dict[str, np.ndarray], model: ModelConfig, dtype=None,
+                         adapters: dict[str, np.ndarray] | None = None) -> dict:
     """Whole-model Megatron parameters (as `RankTrainer.full_parameters` returns them) -> HF-named torch
-    tensors, cast to `dtype` when given (e.g. torch.bfloat16: half the bytes of a float32 sync)."""
+    tensors, cast to `dtype` when given (e.g. torch.bfloat16: half the bytes of a float32 sync). With LoRA,
+    `full` may be empty (the base did not change) and `adapters` are added under their PEFT names."""
     import torch  # here, not at the top: producers import this module (via actors.rollout_engine) and need no torch
 
     from vgbs_ray.hf_mapping import megatron_to_hf
+    from vgbs_ray.lora import megatron_to_peft_name
 
     hf = megatron_to_hf({name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in full.items()},
-                        model.weight_layout)
+                        model.weight_layout) if full else {}
+    hf.update({megatron_to_peft_name(name): torch.from_numpy(np.ascontiguousarray(a))
+               for name, a in (adapters or {}).items()})
     return hf if dtype is None else {name: tensor.to(dtype) for name, tensor in hf.items()}
 
 
-def hf_weights_from_full(full: dict[str, np.ndarray], model: ModelConfig) -> dict[str, np.ndarray]:
-    """Whole-model Megatron parameters -> HF-named float32 numpy arrays (the object-store path)."""
-    return {name: tensor.numpy() for name, tensor in hf_tensors_from_full(full, model).items()}
-
-
-def put_hf_weights(full: dict[str, np.ndarray], model: ModelConfig) -> tuple[ray.ObjectRef, int]:
-    """On the train side (global rank 0): HF-named weights into the object store, owned by this
-    (long-lived) actor; returns the reference and the bytes stored."""
-    hf = hf_weights_from_full(full, model)
+def put_hf_weights(full: dict[str, np.ndarray], model: ModelConfig,
+                   adapters: dict[str, np.ndarray] | None = None) -> tuple[ray.ObjectRef, int]:
+    """On the train side (global rank 0): HF-named float32 numpy arrays (and PEFT-named adapters) into the object
+    store, owned by this (long-lived) actor; returns the reference and the bytes stored."""
+    hf = {name: tensor.numpy() for name, tensor in hf_tensors_from_full(full, model, adapters=adapters).items()}
     return ray.put(hf), sum(a.nbytes for a in hf.values())
 
 
-def publish_weights(group, policy_version: int, *, timeout_s: float | None = None) -> PublishedWeights:
+def publish_weights(group, policy_version: int, *, timeout_s: float | None = None,
+                    include_base: bool = True) -> PublishedWeights:
     """Export `group`'s current weights as version `policy_version` into the object store (see module doc).
+    With LoRA (train.lora) they are the adapters, and the frozen base too when `include_base`.
 
     `group` is a TrainGroup; only the first replica takes part (DP replica 0's TP and PP peers, and with expert
     parallelism its EP peers, gather together: `RankInfo.in_first_replica`).
@@ -131,7 +134,7 @@ def publish_weights(group, policy_version: int, *, timeout_s: float | None = Non
     start = time.perf_counter()
     replica = [(actor, info) for actor, info in zip(group.actors, group.rank_infos) if info.in_first_replica]
     timeout_s = group.config.step_timeout_s if timeout_s is None else timeout_s
-    results = group._gather([actor.export_hf_weights.remote() for actor, _ in replica],  # noqa: SLF001
+    results = group._gather([actor.export_hf_weights.remote(include_base) for actor, _ in replica],  # noqa: SLF001
                             timeout_s, f"publish weights v{policy_version}")
     ((ref, num_bytes),) = [r for r in results if r is not None]  # global rank 0's
     return PublishedWeights(policy_version=policy_version, ref=ref, num_bytes=num_bytes,
@@ -162,12 +165,14 @@ def open_weight_channel(group, engines, config: WeightSyncConfig) -> None:
     ray.get(joins, timeout=config.timeout_s + 30)
 
 
-def send_weights(group, policy_version: int, config: WeightSyncConfig) -> SentWeights:
-    """Gather `group`'s weights on the first replica and broadcast them from rank 0 as `policy_version`.
-    A rank that fails or dies raises `TrainStepError` naming it."""
+def send_weights(group, policy_version: int, config: WeightSyncConfig, *, include_base: bool = True) -> SentWeights:
+    """Gather `group`'s weights on the first replica and broadcast them from rank 0 as `policy_version` (with
+    LoRA: the adapters, and the base too when `include_base`). A rank that fails or dies raises `TrainStepError`
+    naming it."""
     start = time.perf_counter()
     replica = [actor for actor, info in zip(group.actors, group.rank_infos) if info.in_first_replica]
-    results = group._gather([actor.send_weights.remote(policy_version, config.bucket_bytes, config.dtype)  # noqa: SLF001
+    results = group._gather([actor.send_weights.remote(policy_version, config.bucket_bytes, config.dtype,  # noqa: SLF001
+                                                       include_base)
                              for actor in replica], config.timeout_s, f"send weights v{policy_version}")
     ((num_bytes, _),) = [r for r in results if r is not None]
     return SentWeights(policy_version, num_bytes, time.perf_counter() - start)

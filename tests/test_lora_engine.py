@@ -1,0 +1,72 @@
+"""The rollout engine serves the policy's LoRA adapter (vLLM's LoRA support): a load carries the adapter alone once
+the engine holds the base, and the engine's log-probs equal the trainer's with the newest adapter.
+
+Real vLLM CPU engine in a Ray actor; the trainer is an in-process Megatron rank with the same base and adapters.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import ray
+
+from actors.hf_checkpoint import write_hf_config
+from actors.rollout_engine import EngineConfig, EngineError, RolloutEnginePool
+from actors.train_config import ModelConfig
+from actors.weight_sync import hf_tensors_from_full
+from tests.hf_support import response_log_probs
+from tests.test_lora import LORA, random_adapters
+from tests.train_support import inprocess_trainer, sgd_config
+from vgbs_ray.agents import SamplingConfig
+
+pytestmark = pytest.mark.slow  # a vLLM engine: tens of seconds on 2 cores
+
+MODEL = ModelConfig(seed=5)
+PROMPTS = [[3, 14, 15, 92, 65], list(range(40, 61)), [7] * 9]
+
+
+def _weights(base: dict, adapters: dict) -> dict[str, np.ndarray]:
+    return {name: t.numpy() for name, t in hf_tensors_from_full(base, MODEL, adapters=adapters).items()}
+
+
+def test_the_engine_samples_with_the_newest_adapter_and_its_log_probs_equal_the_trainers(ray_session, tmp_path):
+    trainer = inprocess_trainer(sgd_config(model=MODEL, lora=LORA))
+    model = trainer.megatron.chunks[0].module
+    base, first = trainer.full_parameters(), random_adapters(trainer, 1, scale=0.3)
+    engines = RolloutEnginePool(EngineConfig(num_engines=1, max_model_len=MODEL.max_position_embeddings, lora=LORA),
+                                str(write_hf_config(tmp_path / "engine", MODEL)), policy_version=1)
+    try:
+        engine = engines.engines[0]
+        full_load = ray.get(engine.update_weights.remote(1, _weights(base, first)), timeout=120)
+        sampling = SamplingConfig(max_tokens=16, seed=4)
+        generations = engines.generate(PROMPTS, sampling)
+        assert {g.policy_version for g in generations} == {1}
+        trainer.load_full_parameters(first)
+        expected = response_log_probs(model, generations)
+        for got, want in zip(generations, expected):
+            np.testing.assert_allclose(got.response_log_probs, want, atol=1e-4, rtol=0)
+
+        second = random_adapters(trainer, 2, scale=0.3)
+        adapter_load = ray.get(engine.update_weights.remote(2, _weights({}, second)), timeout=120)
+        assert adapter_load.num_bytes < full_load.num_bytes / 5  # the base did not travel again
+        generations = engines.generate(PROMPTS, sampling)
+        assert {g.policy_version for g in generations} == {2}
+        stale = response_log_probs(model, generations)  # the first adapter's view of the same tokens
+        trainer.load_full_parameters(second)
+        for got, want, old in zip(generations, response_log_probs(model, generations), stale):
+            np.testing.assert_allclose(got.response_log_probs, want, atol=1e-4, rtol=0)
+            assert np.abs(got.response_log_probs - old).max() > 1e-2  # sampled with the second, not the first
+    finally:
+        engines.shutdown()
+
+
+def test_an_adapter_sent_to_an_engine_without_lora_is_refused_naming_it(ray_session, tmp_path):
+    trainer = inprocess_trainer(sgd_config(model=MODEL, lora=LORA))
+    engines = RolloutEnginePool(EngineConfig(num_engines=1, max_model_len=64),
+                                str(write_hf_config(tmp_path / "engine", MODEL)), policy_version=0)
+    try:
+        weights = _weights(trainer.full_parameters(), trainer.full_parameters(adapters=True))
+        with pytest.raises(EngineError, match="carries a LoRA adapter .*started without EngineConfig.lora"):
+            ray.get(engines.engines[0].update_weights.remote(0, weights), timeout=120)
+    finally:
+        engines.shutdown()
