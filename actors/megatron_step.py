@@ -42,7 +42,7 @@ from actors.model import (build_gpt_model, is_expert_parameter, named_parameters
 from actors.train_config import TrainGroupConfig
 from vgbs_ray.errors import VgbsError
 from vgbs_ray.hf_mapping import gather_tp_shards, split_tp_shard
-from vgbs_ray.lora import is_adapter_name
+from vgbs_ray.lora import AdapterMismatchError, LoraConfig, base_model_name, is_adapter_name, load_peft_adapter
 from vgbs_ray.microbatch import PackedMicroBatch
 
 
@@ -103,6 +103,8 @@ class MegatronStep:
         schedule_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         self.optimizer = get_megatron_optimizer(_optimizer_config(config), self.chunks)
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
+        if config.lora is not None and config.lora.adapter_dir is not None:
+            self.load_full_parameters(initial_adapter(config.lora, config.model))
 
     # -- the schedule ---------------------------------------------------------------------
 
@@ -225,6 +227,21 @@ class MegatronStep:
                 p.copy_(tensor.to(p.dtype))
         if hasattr(self.optimizer, "reload_model_params"):
             self.optimizer.reload_model_params()  # mixed precision keeps fp32 main copies
+
+
+def initial_adapter(lora: LoraConfig, model) -> dict:
+    """The adapter `lora.adapter_dir` holds (Megatron names -> arrays), refused unless it was made for this base
+    with this rank, alpha and targets (naming both sides)."""
+    from actors.lora_layers import adapter_shapes
+
+    theirs, tensors = load_peft_adapter(lora.adapter_dir, expected_shapes=adapter_shapes(lora, model),
+                                        base_model_name_or_path=base_model_name(model))
+    if not lora.same_adapter_shape(theirs):
+        raise AdapterMismatchError(
+            f"train.lora.adapter_dir={lora.adapter_dir}: the adapter has rank {theirs.rank}, alpha {theirs.alpha}, "
+            f"targets {sorted(theirs.target_modules)}; train.lora says rank {lora.rank}, alpha {lora.alpha}, targets "
+            f"{sorted(lora.target_modules)}")
+    return tensors
 
 
 def _optimizer_config(config: TrainGroupConfig) -> MegatronOptimizerConfig:

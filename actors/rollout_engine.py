@@ -840,11 +840,12 @@ class RolloutEnginePool:
                                                                  placement_group_bundle_index=index),
         ).remote(self.config, self.model_dir, self.names[index], self.start_version, serve_from_version)
 
-    def replace(self, index: int, *, serve_from_version: int, weights: PublishedWeights | None = None,
+    def replace(self, index: int, *, serve_from_version: int, weights: Sequence[PublishedWeights] = (),
                 name_timeout_s: float = 30.0):
         """A new engine in place of engine `index` (dead or hung: it is killed first) on the same bundle and
         under the same name; it serves no request before it holds `serve_from_version` (`weights`, when
-        given, are loaded at once; else the next weight sync brings it). Blocks until it started; returns it.
+        given, are loaded at once, in order: with LoRA the base's version, then the newest adapter; else the
+        next weight sync brings it). Blocks until it started; returns it.
         Producers' clients find it by name; until then their requests go to the other engines."""
         try:
             ray.kill(self.engines[index], no_restart=True)
@@ -852,8 +853,8 @@ class RolloutEnginePool:
             pass
         engine = start_named(lambda: self._start(index, serve_from_version), name_timeout_s)
         try:
-            if weights is not None:
-                engine.update_weights.remote(weights.policy_version, weights.ref)
+            for published in weights:  # one caller's calls to an actor start in order
+                engine.update_weights.remote(published.policy_version, published.ref)
             self._wait([engine.ready.remote()], self.config.startup_timeout_s, "replacement start-up", indices=[index])
         except BaseException:
             ray.kill(engine, no_restart=True)

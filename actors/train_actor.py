@@ -98,6 +98,18 @@ class TrainActor:
     def full_parameters(self) -> dict:
         return self.trainer.full_parameters()
 
+    def save_adapter(self, directory: str) -> str | None:
+        """LoRA: the adapters as PEFT files in `directory`, written by global rank 0; the first replica's ranks
+        must all call it (they gather the adapters together). Returns the directory on rank 0."""
+        from vgbs_ray.lora import base_model_name, save_peft_adapter
+
+        if not self.info.in_first_replica:
+            return None
+        adapters = self.trainer.full_parameters(adapters=True)
+        if self.rank != 0:
+            return None
+        return save_peft_adapter(directory, adapters, self.config.lora, base_model_name(self.config.model))
+
     def load_full_parameters(self, full: dict) -> None:
         self.trainer.load_full_parameters(full)
 

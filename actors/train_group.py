@@ -222,6 +222,15 @@ class TrainGroup:
                                self.config.step_timeout_s, "save_checkpoint")
         return [w for w in written if w]
 
+    def save_adapter(self, directory: str) -> str:
+        """LoRA (train.lora): the adapters as PEFT files (`adapter_config.json`, `adapter_model.safetensors`) in
+        `directory`, loadable by `peft` onto the Hugging Face model and by vLLM (docs/lora.md)."""
+        if self.config.lora is None:
+            raise ValueError("save_adapter: this train group trains every weight (train.lora is not set)")
+        written = self._gather([a.save_adapter.remote(str(directory)) for a in self.actors],
+                               self.config.step_timeout_s, "save_adapter")
+        return next(w for w in written if w)
+
     def load_checkpoint(self, path: str) -> None:
         self._gather([a.load_checkpoint.remote(str(path)) for a in self.actors],
                      self.config.step_timeout_s, "load_checkpoint")

@@ -50,6 +50,7 @@ from actors.megatron_step import MegatronStep, padding_micro_batch
 from actors.train_config import RankInfo, RankStepResult, TrainGroupConfig
 from vgbs_ray.context_parallel import split_for_context_parallel
 from vgbs_ray.errors import VgbsError
+from vgbs_ray.lora import is_adapter_name
 from vgbs_ray.lr_schedule import lr_at
 from vgbs_ray.metrics import MetricPairs, reduce_metric_pairs
 from vgbs_ray.microbatch import PackedMicroBatch, legacy_micro_batches, pack_micro_batch, pad_micro_batches
@@ -293,9 +294,13 @@ class RankTrainer:
     # -- state --------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Model chunks (this rank's TP/PP shard), optimizer and LR-schedule position (a copy, not live views)."""
+        """Model chunks (this rank's TP/PP shard), optimizer and LR-schedule position (a copy, not live views).
+        With LoRA the chunks hold the adapters only: the frozen base is built again from train.model (its seed or
+        its hf_checkpoint_dir) as at the start, so a checkpoint does not repeat it."""
+        lora = self.config.lora is not None
         return copy.deepcopy({
-            "model": [{k: v for k, v in chunk.module.state_dict().items() if isinstance(v, torch.Tensor)}
+            "model": [{k: v for k, v in chunk.module.state_dict().items()
+                       if isinstance(v, torch.Tensor) and (not lora or is_adapter_name(k))}
                       for chunk in self.megatron.chunks],
             "optimizer": self.optimizer.state_dict(),
             "consumed_rollouts": self.consumed_rollouts,

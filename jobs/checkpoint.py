@@ -6,7 +6,10 @@ Layout of <output_dir>/checkpoints/step_000004/ (a checkpoint holds every step <
     scheduler.pkl    the SchedulerState of scheduler.export_state(4): settled ids (compact), every
                      accepted rollout not trained before step 4 in train order, counts, next step,
                      policy version
-    (train group)    model, optimizer, LR-schedule position; one file per model-parallel shard
+    (train group)    model, optimizer, LR-schedule position; one file per model-parallel shard (with
+                     train.lora: the adapters, not the frozen base)
+    adapter/         with train.lora: the adapters as PEFT files (adapter_config.json,
+                     adapter_model.safetensors), for peft and vLLM (docs/lora.md)
     ledger.json      every rollout's state in this checkpoint (read from scheduler.pkl: trained with
                      its step, dropped with its reason, buffered) and the counts; a record for
                      people and tests, never read back
@@ -80,6 +83,8 @@ def save_job_state(output_dir: str, next_step: int, group, scheduler, cursors: C
     _write_json(os.path.join(path, "producers.json"), {"cursors": taken})
     _write_bytes(os.path.join(path, "scheduler.pkl"), pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
     group.save_checkpoint(path)
+    if group.config.lora is not None:  # the adapters as people load them (peft, vLLM): docs/lora.md
+        group.save_adapter(os.path.join(path, "adapter"))
     _write_json(os.path.join(path, "ledger.json"), ledger_record(state))
     _write_json(os.path.join(path, "job.json"), {"next_step": next_step, "policy_version": state.policy_version})
     _write_text(os.path.join(checkpoint_root(output_dir), "latest"), os.path.basename(path))

@@ -40,7 +40,7 @@ import secrets
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ray
 
@@ -134,6 +134,11 @@ class ClosedLoop:
     """The newest version published to the engines (a replacement engine serves from it)."""
     published: object = None
     """That version's PublishedWeights (transport=object_store), which a replacement engine loads first."""
+    base_published: object = None
+    """With LoRA (object store): the publish that carried the frozen base (the first); a replacement engine loads
+    it before `published`, which carries the adapter alone."""
+    lora: object = None
+    """train.lora: every publish after the first carries the adapter alone."""
     engine_watch: object = None
     """The EngineWatch (jobs/engine_watch.py) that replaces dead or hung engines; None without engines."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -151,9 +156,9 @@ class ClosedLoop:
         if not loop_config.enabled:
             loop = cls(engines=None, prompts=prompts)
         else:
-            engines = RolloutEnginePool(loop_config.engines, engine_start_dir(config), policy_version=policy_version,
-                                        wait=False)
-            loop = cls(engines=engines, prompts=prompts, weight_sync=loop_config.weight_sync,
+            engines = RolloutEnginePool(replace(loop_config.engines, lora=config.train.lora),
+                                        engine_start_dir(config), policy_version=policy_version, wait=False)
+            loop = cls(engines=engines, prompts=prompts, weight_sync=loop_config.weight_sync, lora=config.train.lora,
                        policy_version=policy_version, replacement_timeout_s=loop_config.engines.startup_timeout_s + 60)
         try:
             loop.producer_args = (loop._producer_config(config), scheduler, prompts)
@@ -251,13 +256,18 @@ class ClosedLoop:
         started = time.perf_counter()
         with self._lock:
             if self.weight_sync.transport == "collective":
-                if group is not self.channel_group:  # the first sync, a recovery's new group, or a replaced engine
+                new_channel = group is not self.channel_group
+                if new_channel:  # the first sync, a recovery's new group, or a replaced engine
                     open_weight_channel(group, self.engines, self.weight_sync)
                     self.channel_group = group
-                send_weights(group, policy_version, self.weight_sync)
+                # with LoRA the base goes only over a new channel (which may reach an engine without it)
+                send_weights(group, policy_version, self.weight_sync, include_base=self.lora is None or new_channel)
                 self.loads.append((policy_version, self.engines.weight_loads(policy_version)))
             else:
-                self.published = publish_weights(group, policy_version)
+                include_base = self.lora is None or self.base_published is None
+                self.published = publish_weights(group, policy_version, include_base=include_base)
+                if include_base:
+                    self.base_published = self.published
                 self.loads.append((policy_version, self.engines.update_weights(self.published)))
             self.policy_version = policy_version
         self._collect_loads()
@@ -268,9 +278,14 @@ class ClosedLoop:
         loaded from the object store before it serves, or, over a collective, sent again over a channel
         that includes it (`catch_up`, or the next publish). Called by the engine watch; returns that version."""
         with self._lock:
-            version, published = self.policy_version, self.published
+            version, published, base = self.policy_version, self.published, self.base_published
         collective = self.weight_sync.transport == "collective"
-        engine = self.engines.replace(index, serve_from_version=version, weights=None if collective else published)
+        # with LoRA the newest publish may carry the adapter alone: the base's publish goes first
+        if collective or published is None:
+            weights = ()
+        else:
+            weights = (published,) if base is None or base is published else (base, published)
+        engine = self.engines.replace(index, serve_from_version=version, weights=weights)
         with self._lock:
             if collective:
                 self.channel_group = None
@@ -297,6 +312,8 @@ class ClosedLoop:
         if self.engines is None:
             return None
         self.restored_versions.append(policy_version)
+        with self._lock:  # the base's publish belonged to the previous group's rank 0, which may be gone with it
+            self.base_published = None
         return self.publish(group, policy_version)
 
     def _collect_loads(self) -> None:

@@ -57,6 +57,8 @@ def config_from_mapping(cls: type, mapping: Mapping[str, Any] | None, where: str
             value = config_from_mapping(nested, value, f"{where}{name}.", nested_base)
         elif isinstance(value, list):
             value = tuple(value)
+        elif isinstance(value, str) and float in (hints[name], *typing.get_args(hints[name])):
+            value = _float_or_text(value)
         values[name] = value
     try:
         return dataclasses.replace(base, **values) if base is not None else cls(**values)
@@ -64,6 +66,14 @@ def config_from_mapping(cls: type, mapping: Mapping[str, Any] | None, where: str
         raise
     except (TypeError, ValueError) as error:
         raise ConfigError(f"config section '{where.rstrip('.') or cls.__name__}': {error}") from error
+
+
+def _float_or_text(value: str) -> float | str:
+    """YAML 1.1 (PyYAML) reads `5e-3` as a string (it wants `5.0e-3`); a float field takes it as the number."""
+    try:
+        return float(value)
+    except ValueError:
+        return value
 
 
 def _field_default(f: dataclasses.Field) -> Any:

@@ -42,7 +42,7 @@ class StandInPool:
 
 
 def test_publish_returns_before_the_engines_loaded_and_records_the_load_later(ray_session, monkeypatch):
-    monkeypatch.setattr(closed_loop, "publish_weights", lambda group, version: PublishedWeights(
+    monkeypatch.setattr(closed_loop, "publish_weights", lambda group, version, **_: PublishedWeights(
         policy_version=version, ref=ray.put({"w": version}), num_bytes=8, publish_time_s=0.0))
     loop = ClosedLoop(engines=StandInPool())
     loop.publish(group=None, policy_version=1)  # the engine holds the load: publish must not wait for it

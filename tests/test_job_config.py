@@ -69,6 +69,14 @@ def test_overrides_change_only_the_named_keys():
     assert config.closed_loop.agent_kwargs == {"max_samples_per_rollout": 2}
 
 
+def test_lora_and_a_float_written_without_a_dot_reach_the_train_group():
+    config = load_job_config(None, ["train.lora.rank=8", "train.lora.target_modules=[q_proj, v_proj]",
+                                    "train.optimizer.lr_schedule.lr=5e-3"])  # PyYAML reads 5e-3 as a string
+    assert config.train.lora.rank == 8 and config.train.lora.target_modules == ("q_proj", "v_proj")
+    assert config.train.optimizer.lr_schedule.lr == 0.005
+    assert load_job_config(None, []).train.lora is None
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

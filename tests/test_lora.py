@@ -183,3 +183,29 @@ def test_an_adapter_for_another_base_is_refused_naming_both(tmp_path):
                                                    r"'vgbs-ray:llama-layers2-hidden256"):
         load_peft_adapter(str(tmp_path), expected_shapes=adapter_shapes(LORA, large),
                           base_model_name_or_path=base_model_name(large))
+
+
+def test_a_lora_checkpoint_holds_the_adapters_and_resumes_to_the_same_model():
+    config = TrainGroupConfig(lora=LORA, optimizer=sgd_config().optimizer)
+    trainer = inprocess_trainer(config)
+    trainer.load_full_parameters(random_adapters(trainer, 4))
+    trainer.train_shard(one_step_shards(make_samples(6, 4), 1)[0])
+    state = trainer.state_dict()
+    assert state["model"][0] and all(".lora." in name for name in state["model"][0])  # not the frozen base
+    resumed = inprocess_trainer(config)
+    resumed.load_state_dict(state)
+    for adapters in (False, True):
+        want, got = trainer.full_parameters(adapters=adapters), resumed.full_parameters(adapters=adapters)
+        assert all(np.array_equal(want[name], got[name]) for name in want)
+
+
+def test_training_starts_from_an_adapter_file_made_for_this_base_and_refuses_another(tmp_path):
+    trainer = inprocess_trainer(sgd_config(lora=LORA))
+    adapters = random_adapters(trainer, 7)
+    save_peft_adapter(str(tmp_path / "mine"), adapters, LORA, base_model_name(sgd_config().model))
+    started = inprocess_trainer(sgd_config(lora=dataclasses.replace(LORA, adapter_dir=str(tmp_path / "mine"))))
+    got = started.full_parameters(adapters=True)
+    assert all(np.array_equal(adapters[name], got[name]) for name in adapters)
+    other = dataclasses.replace(LORA, rank=2, adapter_dir=str(tmp_path / "mine"))
+    with pytest.raises(AdapterMismatchError, match="made for base 'vgbs-ray:llama-layers2-hidden128"):
+        inprocess_trainer(sgd_config(lora=other))  # rank 2 shapes: the rank-4 file does not fit

@@ -66,6 +66,9 @@ class LoraConfig:
     """Hugging Face projection names to adapt (every layer's); see TARGET_MODULES."""
     seed: int = 0
     """Draws A (B starts at zero); the same A for any TP and PP layout."""
+    adapter_dir: str | None = None
+    """Start from this PEFT adapter (e.g. an earlier run's checkpoints/step_N/adapter) instead of B = 0; it must
+    have been made for this base, with this rank, alpha and target_modules."""
 
     def __post_init__(self):
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
@@ -81,6 +84,10 @@ class LoraConfig:
                               f"{list(TARGET_MODULES)}")
         if not self.target_modules or len(set(self.target_modules)) != len(self.target_modules):
             raise ConfigError(f"train.lora.target_modules must name each target once, got {list(self.target_modules)}")
+
+    def same_adapter_shape(self, other: "LoraConfig") -> bool:
+        return (self.rank, self.alpha, sorted(self.target_modules)) == (other.rank, other.alpha,
+                                                                        sorted(other.target_modules))
 
     @property
     def scaling(self) -> float:
