@@ -1,11 +1,13 @@
 """LoRA adapters on a Megatron GPTModel's linear layers, sharded as the layers are (vgbs_ray/lora.py: config, names).
 
-    attach_lora(model, lora, model_config)   # before Megatron DDP wraps it: the base is frozen, adapters train
+    active = attach_lora(model, {"policy": lora}, model_config)   # before Megatron DDP wraps it: the base frozen
+    active.name = "tenant_b"                                          # multi-LoRA: which adapter the next step uses
 
-Each adapted Megatron linear layer gets a submodule `lora` holding, per Hugging Face target it carries, A [rank,
-in] and B [out, rank] in that target's Hugging Face layout, and a forward hook that adds `scaling * B A x` to the
-layer's output. The base parameters keep their names (weight sync, checkpoints and the HF mapping see the same
-model); the adapters' names end in `.lora.<target>_A|B` (`vgbs_ray.lora.is_adapter_name`).
+Each adapted Megatron linear layer gets a submodule `lora` (a ModuleDict: one `LoraAdapters` per adapter name)
+holding, per Hugging Face target it carries, A [rank, in] and B [out, rank] in that target's Hugging Face layout,
+and a forward hook that adds the active adapter's `scaling * B A x` to the layer's output. The base parameters
+keep their names (weight sync, checkpoints and the HF mapping see the same model); the adapters' names end in
+`.lora.<adapter>.<target>_A|B` (`vgbs_ray.lora.is_adapter_name`, `adapter_of`).
 
 Tensor parallelism, as Megatron shards the layer:
 - column-parallel `linear_qkv` (q, k, v) and `linear_fc1` (gate, up): the input is whole, so A is replicated; B is
@@ -32,7 +34,7 @@ from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
                                            reduce_from_tensor_model_parallel_region)
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-from vgbs_ray.lora import MEGATRON_LAYER_TARGETS, TARGET_MODULES, LoraConfig
+from vgbs_ray.lora import DEFAULT_ADAPTER, MEGATRON_LAYER_TARGETS, TARGET_MODULES, LoraConfig
 
 _COLUMN_PARALLEL = ("self_attention.linear_qkv", "mlp.linear_fc1")
 
@@ -47,18 +49,26 @@ def target_shapes(config) -> dict[str, tuple[int, int]]:
             "down_proj": (hidden, ffn)}
 
 
-def adapter_shapes(lora: LoraConfig, config) -> dict[str, tuple[int, int]]:
-    """Whole-model shape of every adapter parameter, by Megatron global name."""
+def adapter_shapes(lora: LoraConfig, config, adapter: str = DEFAULT_ADAPTER) -> dict[str, tuple[int, int]]:
+    """Whole-model shape of every parameter of adapter `adapter`, by Megatron global name."""
     shapes = target_shapes(config)
     result = {}
     for layer in range(config.num_layers):
         for megatron_layer in MEGATRON_LAYER_TARGETS:
             for target in lora.targets_of(megatron_layer):
                 out_features, in_features = shapes[target]
-                prefix = f"decoder.layers.{layer}.{megatron_layer}.lora.{target}"
+                prefix = f"decoder.layers.{layer}.{megatron_layer}.lora.{adapter}.{target}"
                 result[f"{prefix}_A"] = (lora.rank, in_features)
                 result[f"{prefix}_B"] = (out_features, lora.rank)
     return result
+
+
+class ActiveAdapter:
+    """Which adapter the model's forward adds (one per step: a step trains one tenant's adapter); shared by every
+    adapted layer of a model chunk. A layer that does not carry the active adapter adds nothing."""
+
+    def __init__(self, name: str):
+        self.name = name
 
 
 class LoraAdapters(torch.nn.Module):
@@ -120,27 +130,36 @@ class LoraAdapters(torch.nn.Module):
 
 
 def _add_adapter_output(module, args, kwargs, output):
+    adapters = module.lora
+    active = module.lora_active.name
+    if active not in adapters:  # this layer carries no target of the active adapter
+        return output
     x = args[0] if args else kwargs["input_"]
     result, bias = output
-    return result + module.lora(x).to(result.dtype), bias
+    return result + adapters[active](x).to(result.dtype), bias
 
 
-def attach_lora(model: torch.nn.Module, lora: LoraConfig, model_config) -> list[torch.nn.Parameter]:
+def attach_lora(model: torch.nn.Module, adapters: dict[str, LoraConfig], model_config) -> ActiveAdapter:
     """Freeze every parameter of `model` (a GPTModel, or one pipeline stage of it) and add the adapters of its
-    layers; returns them (the only parameters that train)."""
+    layers, one set per name of `adapters` (a single adapter: `{"policy": train.lora}`); they alone train.
+    Returns the switch that says which one the forward uses (the first at start)."""
     for param in model.parameters():
         param.requires_grad_(False)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
-    adapters = []
+    active = ActiveAdapter(next(iter(adapters)))
     for layer in model.decoder.layers:
         for megatron_layer in MEGATRON_LAYER_TARGETS:
-            if not lora.targets_of(megatron_layer):
+            carried = {name: lora for name, lora in adapters.items() if lora.targets_of(megatron_layer)}
+            if not carried:
                 continue
             linear = layer.get_submodule(megatron_layer)
-            linear.lora = LoraAdapters(lora, megatron_layer, layer.layer_number, model_config, tp_rank=tp_rank,
-                                       tp_size=tp_size, dtype=dtype, device=device, tp_group=getattr(linear, "tp_group", None))
+            linear.lora = torch.nn.ModuleDict({
+                name: LoraAdapters(lora, megatron_layer, layer.layer_number, model_config, tp_rank=tp_rank,
+                                   tp_size=tp_size, dtype=dtype, device=device,
+                                   tp_group=getattr(linear, "tp_group", None))
+                for name, lora in carried.items()})
+            linear.lora_active = active
             linear.register_forward_hook(_add_adapter_output, with_kwargs=True)
-            adapters += list(linear.lora.parameters())
-    return adapters
+    return active

@@ -42,7 +42,8 @@ from actors.model import (build_gpt_model, is_expert_parameter, named_parameters
 from actors.train_config import TrainGroupConfig
 from vgbs_ray.errors import VgbsError
 from vgbs_ray.hf_mapping import gather_tp_shards, split_tp_shard
-from vgbs_ray.lora import AdapterMismatchError, LoraConfig, base_model_name, is_adapter_name, load_peft_adapter
+from vgbs_ray.lora import (AdapterMismatchError, LoraConfig, adapter_of, base_model_name, is_adapter_name,
+                           load_peft_adapter)
 from vgbs_ray.microbatch import PackedMicroBatch
 
 
@@ -78,6 +79,7 @@ class MegatronStep:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         vpp = config.vpp_size
         modules = []
+        self.active_adapters = []  # LoRA: each chunk's switch of the adapter its forward adds
         for vp_stage in range(vpp):
             stage = None if vpp == 1 else vp_stage
             modules.append(build_gpt_model(
@@ -87,10 +89,11 @@ class MegatronStep:
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             ))
-            if config.lora is not None:  # before DDP, which allocates gradient buffers for what trains
+            if config.adapters:  # before DDP, which allocates gradient buffers for what trains
                 from actors.lora_layers import attach_lora
 
-                attach_lora(modules[-1], config.lora, config.model)
+                self.active_adapters.append(attach_lora(
+                    modules[-1], {name: adapter.lora for name, adapter in config.adapters.items()}, config.model))
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=False)
         self.chunks = [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m,
@@ -101,10 +104,41 @@ class MegatronStep:
         schedule_config.finalize_model_grads_func = finalize_model_grads
         no_sync = [chunk.no_sync for chunk in self.chunks]
         schedule_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-        self.optimizer = get_megatron_optimizer(_optimizer_config(config), self.chunks)
+        bf16 = config.model.params_dtype == "bfloat16"
+        if len(config.adapters) > 1:
+            self.optimizers = self._optimizer_per_adapter(bf16)
+        else:
+            self.optimizers = {None: get_megatron_optimizer(_optimizer_config(config.optimizer, bf16), self.chunks)}
+        self.optimizer = next(iter(self.optimizers.values()))
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
-        if config.lora is not None and config.lora.adapter_dir is not None:
-            self.load_full_parameters(initial_adapter(config.lora, config.model))
+        for name, adapter in config.adapters.items():
+            if adapter.lora.adapter_dir is not None:
+                self.load_full_parameters(initial_adapter(adapter.lora, config.model, name))
+
+    def _optimizer_per_adapter(self, bf16: bool) -> dict:
+        """Multi-LoRA: one Megatron optimizer per adapter, over its parameters alone (Megatron takes the parameters
+        that require gradients when it builds one), so a step moves its tenant's adapter and optimizer state only
+        (Adam's moments would move every adapter at each step otherwise)."""
+        adapters = [(name, p) for chunk in self.chunks for name, p in named_parameters_global(chunk.module)
+                    if is_adapter_name(name)]
+        optimizers = {}
+        for tenant, adapter in self.config.adapters.items():
+            for name, p in adapters:
+                p.requires_grad_(adapter_of(name) == tenant)
+            optimizers[tenant] = get_megatron_optimizer(_optimizer_config(adapter.optimizer, bf16), self.chunks)
+        for _, p in adapters:
+            p.requires_grad_(True)
+        return optimizers
+
+    def activate(self, adapter: str | None) -> None:
+        """The adapter the next step trains (and the forward adds): multi-LoRA only; its optimizer steps."""
+        if len(self.optimizers) == 1:
+            return
+        if adapter not in self.optimizers:
+            raise ValueError(f"adapter {adapter!r} is not trained here; adapters: {sorted(self.optimizers)}")
+        for switch in self.active_adapters:
+            switch.name = adapter
+        self.optimizer = self.optimizers[adapter]
 
     # -- the schedule ---------------------------------------------------------------------
 
@@ -183,12 +217,13 @@ class MegatronStep:
         """This rank's parameters named as in the whole (PP=1) model: layer indices are global."""
         return [pair for chunk in self.chunks for pair in named_parameters_global(chunk.module)]
 
-    def full_parameters(self, *, adapters: bool = False) -> dict[str, torch.Tensor]:
+    def full_parameters(self, *, adapters: bool = False, adapter: str | None = None) -> dict[str, torch.Tensor]:
         """Every parameter of the whole model (TP shards gathered, experts gathered over EP, PP stages joined); a
-        collective over TP, EP and PP. With LoRA: the base's (`adapters=False`) or the adapters' (True)."""
+        collective over TP, EP and PP. With LoRA: the base's (`adapters=False`) or the adapters' (True; one
+        adapter's when `adapter` names it)."""
         mine, experts = {}, []
         for name, p in self.local_parameters():
-            if is_adapter_name(name) != adapters:
+            if is_adapter_name(name) != adapters or (adapter is not None and adapter_of(name) != adapter):
                 continue
             tensor = p.detach()
             if self.tp_size > 1 and getattr(p, "tensor_model_parallel", False):
@@ -225,17 +260,18 @@ class MegatronStep:
                     raise ValueError(f"load_full_parameters: {name} has shape {tuple(tensor.shape)}, "
                                      f"this rank's parameter {tuple(p.shape)}")
                 p.copy_(tensor.to(p.dtype))
-        if hasattr(self.optimizer, "reload_model_params"):
-            self.optimizer.reload_model_params()  # mixed precision keeps fp32 main copies
+        for optimizer in self.optimizers.values():
+            if hasattr(optimizer, "reload_model_params"):
+                optimizer.reload_model_params()  # mixed precision keeps fp32 main copies
 
 
-def initial_adapter(lora: LoraConfig, model) -> dict:
-    """The adapter `lora.adapter_dir` holds (Megatron names -> arrays), refused unless it was made for this base
-    with this rank, alpha and targets (naming both sides)."""
+def initial_adapter(lora: LoraConfig, model, adapter: str) -> dict:
+    """The adapter `lora.adapter_dir` holds (Megatron names of adapter `adapter` -> arrays), refused unless it was
+    made for this base with this rank, alpha and targets (naming both sides)."""
     from actors.lora_layers import adapter_shapes
 
-    theirs, tensors = load_peft_adapter(lora.adapter_dir, expected_shapes=adapter_shapes(lora, model),
-                                        base_model_name_or_path=base_model_name(model))
+    theirs, tensors = load_peft_adapter(lora.adapter_dir, expected_shapes=adapter_shapes(lora, model, adapter),
+                                        base_model_name_or_path=base_model_name(model), adapter=adapter)
     if not lora.same_adapter_shape(theirs):
         raise AdapterMismatchError(
             f"train.lora.adapter_dir={lora.adapter_dir}: the adapter has rank {theirs.rank}, alpha {theirs.alpha}, "
@@ -244,9 +280,7 @@ def initial_adapter(lora: LoraConfig, model) -> dict:
     return tensors
 
 
-def _optimizer_config(config: TrainGroupConfig) -> MegatronOptimizerConfig:
-    opt = config.optimizer
-    bf16 = config.model.params_dtype == "bfloat16"
+def _optimizer_config(opt, bf16: bool) -> MegatronOptimizerConfig:
     return MegatronOptimizerConfig(
         optimizer="adam" if opt.kind == "adamw" else "sgd",
         lr=opt.lr_schedule.lr,

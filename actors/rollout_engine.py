@@ -33,6 +33,7 @@ anything runs), a dead engine (`EngineDiedError`, as soon as the call fails, not
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import queue
 import tempfile
@@ -52,7 +53,7 @@ from actors.weight_sync import PublishedWeights, WeightLoad
 from vgbs_ray.agents.generation import Generation, RequestTooLongError, SamplingConfig
 from vgbs_ray.checkpoint_files import TOKENIZER_FILES, has_tokenizer, has_weights
 from vgbs_ray.errors import ConfigError, VgbsError
-from vgbs_ray.lora import PEFT_PREFIX, LoraConfig, save_peft_adapter
+from vgbs_ray.lora import LoraConfig, save_peft_adapter, split_sync_key
 
 # In-process vLLM without torch.compile (measured: start-up ~2 s, first logprobs call without a 14 s compile).
 _CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1"}
@@ -99,9 +100,10 @@ class EngineConfig:
     """Placement group, actor start, vLLM import and engine construction together."""
     call_timeout_s: float = 300.0
     """A generate or weight load that takes longer fails with an error naming the engine."""
-    lora: LoraConfig | None = None
-    """Serve the policy as the base plus a LoRA adapter (vLLM's LoRA support); the job sets it from train.lora.
-    A weight load then carries the adapter (PEFT names), and the base only when it changes (the first load)."""
+    lora_adapters: tuple[tuple[str, LoraConfig], ...] = ()
+    """Serve the policy as the base plus LoRA adapters, by name (vLLM's LoRA support): train.lora's (`policy`) or
+    every multi-LoRA tenant's; the job sets it. A weight load then carries adapters (`<name>/<PEFT name>`), and
+    the base only when it changes (the first load)."""
 
     def __post_init__(self):
         if self.num_engines < 1:
@@ -116,8 +118,10 @@ class EngineConfig:
         for name in ("kv_cache_gib", "startup_timeout_s", "call_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.lora is not None and self.lora.rank > _VLLM_LORA_RANKS[-1]:
-            raise ConfigError(f"train.lora.rank={self.lora.rank}: vLLM serves adapters of rank <= {_VLLM_LORA_RANKS[-1]}")
+        for name, lora in self.lora_adapters:
+            if lora.rank > _VLLM_LORA_RANKS[-1]:
+                raise ConfigError(f"adapter {name!r}: rank {lora.rank}, but vLLM serves adapters of rank <= "
+                                  f"{_VLLM_LORA_RANKS[-1]}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("EngineConfig.gpu_memory_utilization must be in (0, 1], "
                               f"got {self.gpu_memory_utilization}")
@@ -217,13 +221,17 @@ class RolloutEngine:
             kwargs.update(kv_cache_memory_bytes=int(config.kv_cache_gib * (1 << 30)), enforce_eager=True,
                           enable_chunked_prefill=False,
                           max_num_batched_tokens=max(config.max_model_len, _CPU_BATCHED_TOKENS))
-        if config.lora is not None:  # one adapter, the policy's; vLLM sizes its slots by the next rank it offers
-            kwargs.update(enable_lora=True, max_loras=1,
-                          max_lora_rank=next(r for r in _VLLM_LORA_RANKS if r >= config.lora.rank))
+        self._loras = dict(config.lora_adapters)
+        if self._loras:  # one slot per adapter, all resident; vLLM sizes the slots by the next rank it offers
+            top = max(lora.rank for lora in self._loras.values())
+            kwargs.update(enable_lora=True, max_loras=len(self._loras),
+                          max_lora_rank=next(r for r in _VLLM_LORA_RANKS if r >= top))
         self.llm = LLM(**kwargs)
         self._llm_kwargs, self._model_dir = kwargs, model_dir
-        self._lora_request = None  # the policy's adapter once loaded (every request then samples with it)
-        self._adapter_dir: str | None = None
+        self._lora_requests: dict = {}  # adapter name -> its LoRARequest, once loaded (its requests sample with it)
+        self._adapter_dirs: dict[str, str] = {}
+        self.adapter_versions: dict[str, int] = {}
+        """Multi-LoRA: the version of each adapter this engine holds (each tenant counts its own steps)."""
         # vLLM 0.32's in-place reload on CPU corrupts a mixture of experts (reloading the very same weights
         # changes its outputs: the router's CPU GEMM dropped its weight when it was packed). There the
         # engine loads a new version by starting a new LLM from the version's files instead.
@@ -233,8 +241,9 @@ class RolloutEngine:
         self._load_waiters: dict[int, list[asyncio.Future]] = {}
         self._channel_error: BaseException | None = None
         self._channel_generation = 0
-        self._requests_in_flight: dict[str, tuple[_Call, int]] = {}
-        """vLLM request id -> (its generate call, the prompt's index in it); the engine thread's alone."""
+        self._requests_in_flight: dict[str, tuple[_Call, int, str | None]] = {}
+        """vLLM request id -> (its generate call, the prompt's index in it, its adapter); the engine thread's
+        alone."""
         self._next_request = 0
         self._held_update: _Call | None = None
         self._held_calls: list[_Call] = []
@@ -252,18 +261,20 @@ class RolloutEngine:
         return self.name
 
     async def generate(self, prompts: Sequence[Sequence[int]],
-                       sampling: SamplingConfig | Sequence[SamplingConfig]) -> list[Generation]:
+                       sampling: SamplingConfig | Sequence[SamplingConfig],
+                       adapter: str | None = None) -> list[Generation]:
         """Sample a response for each prompt (token ids); see `Generation`. `sampling` is one config for
         every prompt (request i seeded seed + i) or one config per prompt (each seed as given). Returns once
-        every request finished (`generate_each` answers each as it finishes)."""
-        return await self._submit("generate", await self._checked_requests(prompts, sampling))
+        every request finished (`generate_each` answers each as it finishes). Multi-LoRA: `adapter` names the
+        tenant's adapter to sample with (with one adapter it is that one)."""
+        return await self._submit("generate", await self._checked_requests(prompts, sampling, adapter))
 
     async def generate_each(self, prompts: Sequence[Sequence[int]],
-                            sampling: SamplingConfig | Sequence[SamplingConfig]):
+                            sampling: SamplingConfig | Sequence[SamplingConfig], adapter: str | None = None):
         """As `generate`, but yields (index, Generation) as each request finishes: call it as a Ray streaming
         generator (`.options(num_returns="streaming")`), so a short request of a call is not held until its
         longest one finished."""
-        payload = await self._checked_requests(prompts, sampling)
+        payload = await self._checked_requests(prompts, sampling, adapter)
         loop = asyncio.get_running_loop()
         call = _Call("generate", payload, loop, loop.create_future(), finished=asyncio.Queue())
         self._calls.put(call)
@@ -277,12 +288,16 @@ class RolloutEngine:
                 call.future.result()
                 yield call.finished.get_nowait()
 
-    async def _checked_requests(self, prompts, sampling) -> tuple[list[np.ndarray], list[SamplingConfig]]:
-        """The call's prompts and per-prompt sampling, once this engine serves; refused (naming the engine and the
-        request) when a request cannot run here."""
+    async def _checked_requests(self, prompts, sampling, adapter) -> tuple:
+        """The call's prompts, per-prompt sampling and adapter, once this engine serves; refused (naming the engine
+        and the request) when a request cannot run here."""
         prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
         samplings = _per_prompt(sampling, len(prompts))
+        adapter = self._adapter_for(adapter)
         await self._until_serving()
+        if adapter is not None and adapter not in self._lora_requests:
+            raise EngineError(f"{self.name}: adapter {adapter!r} has not been loaded yet (publish it before its "
+                              "producers sample)")
         for index, (prompt, params) in enumerate(zip(prompts, samplings)):
             if len(prompt) == 0 or len(prompt) + params.max_tokens > self.config.max_model_len:
                 raise RequestTooLongError(
@@ -292,7 +307,20 @@ class RolloutEngine:
             if params.stop and not self.has_tokenizer:
                 raise EngineError(f"{self.name}: stop strings {params.stop!r} need the checkpoint's tokenizer, and the "
                                   "engine's model directory has none; use stop_token_ids")
-        return prompts, samplings
+        return prompts, samplings, adapter
+
+    def _adapter_for(self, adapter: str | None) -> str | None:
+        """The adapter a request samples with: None without LoRA; the one adapter when there is one."""
+        if not self._loras:
+            if adapter is not None:
+                raise EngineError(f"{self.name}: a request for adapter {adapter!r}, but the engine serves no LoRA "
+                                  "adapters")
+            return None
+        if adapter is None and len(self._loras) == 1:
+            return next(iter(self._loras))
+        if adapter not in self._loras:
+            raise EngineError(f"{self.name}: adapter {adapter!r} is not served here; adapters: {sorted(self._loras)}")
+        return adapter
 
     async def update_weights(self, policy_version: int, weights: dict[str, np.ndarray]) -> WeightLoad:
         """Load `weights` (HF names) in place between two steps; requests in flight go on under them (`_load`)."""
@@ -381,8 +409,11 @@ class RolloutEngine:
                 _settle(future, future.set_exception, EngineError(f"{self.name}: the weight channel failed: {error!r}"))
         self._load_waiters = {}
 
-    def current_policy_version(self) -> int:
-        """The version this engine's next generations carry at the least (a replacement: the one it waits for)."""
+    def current_policy_version(self, adapter: str | None = None) -> int:
+        """The version this engine's next generations carry at the least (a replacement: the one it waits for);
+        multi-LoRA: of tenant `adapter`'s (-1 before its first load)."""
+        if adapter is not None and len(self._loras) > 1:
+            return self.adapter_versions.get(adapter, -1)
         return max(self.policy_version, self._serve_from or 0)
 
     def utilization(self) -> EngineUtilization:
@@ -447,8 +478,9 @@ class RolloutEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        prompts, samplings = call.payload
+        prompts, samplings, adapter = call.payload
         call.results, call.unfinished = [None] * len(prompts), len(prompts)
+        lora_request = self._lora_requests.get(adapter) if adapter is not None else None
         if not prompts:
             _answer(call, [])
             return
@@ -464,9 +496,9 @@ class RolloutEngine:
                 request_id = f"{self._next_request}"
                 self._next_request += 1
                 engine.add_request(request_id, {"prompt_token_ids": prompt.tolist()}, params,
-                                   lora_request=self._lora_request)
+                                   lora_request=lora_request)
                 added.append(request_id)
-                self._requests_in_flight[request_id] = (call, index)
+                self._requests_in_flight[request_id] = (call, index, adapter)
         except BaseException as error:  # noqa: BLE001 - this call fails; the others go on
             for request_id in added:
                 del self._requests_in_flight[request_id]
@@ -482,7 +514,7 @@ class RolloutEngine:
         try:
             outputs = engine.step()
         except BaseException as error:  # noqa: BLE001 - every request in flight fails; the engine serves on
-            calls = {id(call): call for call, _ in self._requests_in_flight.values()}
+            calls = {id(call): call for call, _, _ in self._requests_in_flight.values()}
             engine.abort_request(list(self._requests_in_flight))
             self._requests_in_flight = {}
             for call in calls.values():
@@ -491,24 +523,25 @@ class RolloutEngine:
         for output in outputs:
             if not output.finished or output.request_id not in self._requests_in_flight:
                 continue
-            call, index = self._requests_in_flight.pop(output.request_id)
-            call.results[index] = self._generation(output)
+            call, index, adapter = self._requests_in_flight.pop(output.request_id)
+            call.results[index] = self._generation(output, adapter)
             if call.finished is not None:
                 call.loop.call_soon_threadsafe(call.finished.put_nowait, (index, call.results[index]))
             call.unfinished -= 1
             if call.unfinished == 0:
                 _answer(call, call.results)
 
-    def _generation(self, output) -> Generation:
+    def _generation(self, output, adapter: str | None) -> Generation:
         completion = output.outputs[0]
         tokens = np.asarray(completion.token_ids, dtype=np.int64)
         log_probs = np.asarray([step[int(t)].logprob for t, step in zip(tokens, completion.logprobs)],
                                dtype=np.float32)
-        runs = tuple((int(span.version), span.end - span.start) for span in (completion.weight_versions or ())
-                     if span.end > span.start)
+        runs = _merged_runs([(_version_of(span.version, adapter), span.end - span.start)
+                             for span in (completion.weight_versions or ()) if span.end > span.start])
         return Generation(
             prompt_token_ids=np.asarray(output.prompt_token_ids, dtype=np.int64), response_token_ids=tokens,
-            response_log_probs=log_probs, policy_version=runs[0][0] if runs else self.policy_version,
+            response_log_probs=log_probs,
+            policy_version=runs[0][0] if runs else self.current_policy_version(adapter),
             finish_reason=str(completion.finish_reason), engine=self.name,
             version_runs=runs if len(runs) > 1 else ())
 
@@ -536,47 +569,64 @@ class RolloutEngine:
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             tensors = [(name, array if isinstance(array, torch.Tensor) else torch.from_numpy(np.asarray(array)))
                        for name, array in weights.items()]
-        adapter = [(name, t) for name, t in tensors if name.startswith(PEFT_PREFIX)]
-        base = [(name, t) for name, t in tensors if not name.startswith(PEFT_PREFIX)]
-        if adapter and self.config.lora is None:
-            raise EngineError(f"{self.name}: version {policy_version} carries a LoRA adapter ({adapter[0][0]}, ...) "
-                              "but the engine was started without EngineConfig.lora")
+        adapters: dict[str, list] = {}
+        for key, tensor in tensors:
+            if (parts := split_sync_key(key)) is not None:
+                adapters.setdefault(parts[0], []).append((parts[1], tensor))
+        base = [(name, t) for name, t in tensors if split_sync_key(name) is None]
+        unknown = sorted(set(adapters) - set(self._loras))
+        if unknown:
+            raise EngineError(f"{self.name}: version {policy_version} carries LoRA adapter(s) {unknown}, but the "
+                              f"engine serves {sorted(self._loras) or 'none'} (EngineConfig.lora_adapters)")
         restarted = bool(base) and self.reload_by_restart  # only with nothing in flight (`_accept` held it)
         if restarted:
             self._restart_with(base, policy_version)
         elif base:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": base})
             self.llm.collective_rpc(_refresh_tied_output_layer)
-        if adapter or (restarted and self._lora_request is not None):  # a new LLM has no adapter yet
-            self._load_adapter(adapter)
+        for name, adapter in adapters.items():
+            self._load_adapter(name, adapter, policy_version)
+        if restarted:  # a new LLM has no adapters yet: the ones it held before
+            for name in set(self._lora_requests) - set(adapters):
+                self._load_adapter(name, [], self.adapter_versions[name])
         # A load by restart starts from an empty cache; else cached keys and values (the adapter's too: vLLM
         # keys its cache by adapter id, which a load in place keeps) belong to the previous version.
         if not restarted and not self.llm.llm_engine.reset_prefix_cache(reset_running_requests=in_flight > 0):
             raise EngineError(f"{self.name}: vLLM did not reset its prefix cache after loading version "
                               f"{policy_version}; the engine would reuse the old weights' keys and values")
-        self.llm.llm_engine.set_weight_version(str(policy_version))
         self.policy_version = policy_version
+        self.llm.llm_engine.set_weight_version(self._version_label())
         self._weight_loads += 1
         self._in_flight_loads += in_flight > 0
         return WeightLoad(engine=self.name, policy_version=policy_version, load_time_s=time.perf_counter() - start,
                           num_bytes=sum(t.numel() * t.element_size() for _, t in tensors),
                           requests_in_flight=in_flight)
 
-    def _load_adapter(self, adapter: list) -> None:
-        """The policy's adapter (PEFT names -> tensors; none: the files of the last one) into vLLM, in place of
-        the previous one (same adapter id, `load_inplace`): requests in flight go on with it. PEFT files in a
+    def _load_adapter(self, name: str, tensors: list, policy_version: int) -> None:
+        """Adapter `name` (PEFT names -> tensors; none: the files of its last version) into vLLM, in place of its
+        previous version (same adapter id, `load_inplace`): requests in flight go on with it. PEFT files in a
         directory of this engine, as vLLM's LoRA loader reads them."""
         from vllm.lora.request import LoRARequest
 
-        if self._adapter_dir is None:
-            self._adapter_dir = tempfile.mkdtemp(prefix=f"{self.name}-adapter-",
-                                                 dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        if adapter:
-            save_peft_adapter(self._adapter_dir, {name: t.float().numpy() for name, t in adapter}, self.config.lora,
+        if name not in self._adapter_dirs:
+            self._adapter_dirs[name] = tempfile.mkdtemp(prefix=f"{self.name}-{name}-",
+                                                        dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        directory = self._adapter_dirs[name]
+        if tensors:
+            save_peft_adapter(directory, {key: t.float().numpy() for key, t in tensors}, self._loras[name],
                               base_model_name_or_path=self._model_dir)
-        self._lora_request = LoRARequest("policy", 1, self._adapter_dir, load_inplace=True)
-        if not self.llm.llm_engine.add_lora(self._lora_request):
-            raise EngineError(f"{self.name}: vLLM did not load the policy's LoRA adapter from {self._adapter_dir}")
+        request = LoRARequest(name, list(self._loras).index(name) + 1, directory, load_inplace=True)
+        if not self.llm.llm_engine.add_lora(request):
+            raise EngineError(f"{self.name}: vLLM did not load LoRA adapter {name!r} from {directory}")
+        self._lora_requests[name] = request
+        self.adapter_versions[name] = policy_version
+
+    def _version_label(self) -> str:
+        """What vLLM labels the next tokens with: the policy version, or with several adapters each one's (a
+        token's own is read back by its request's adapter: `_version_of`)."""
+        if len(self._loras) > 1:
+            return json.dumps(self.adapter_versions, sort_keys=True)
+        return str(self.policy_version)
 
     def _restart_with(self, tensors: list, policy_version: int) -> None:
         """A new LLM from this version's weights, written to a temporary directory with the start checkpoint's
@@ -604,8 +654,28 @@ class RolloutEngine:
 
 
 def _has_base(call: _Call) -> bool:
-    """An update that carries base weights (not only the LoRA adapter)."""
-    return any(not name.startswith(PEFT_PREFIX) for name in call.payload[1])
+    """An update that carries base weights (not only LoRA adapters)."""
+    return any(split_sync_key(name) is None for name in call.payload[1])
+
+
+def _version_of(label: str, adapter: str | None) -> int:
+    """A token's policy version from vLLM's label (`RolloutEngine._version_label`): with several adapters, the
+    request's adapter's."""
+    if label.startswith("{"):
+        return int(json.loads(label).get(adapter, -1))
+    return int(label)
+
+
+def _merged_runs(runs: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """(version, tokens) runs with neighbours of one version joined (another tenant's load splits vLLM's spans
+    without changing this request's version)."""
+    merged: list[list[int]] = []
+    for version, count in runs:
+        if merged and merged[-1][0] == version:
+            merged[-1][1] += count
+        else:
+            merged.append([version, count])
+    return tuple((version, count) for version, count in merged)
 
 
 def _is_mixture_of_experts(model_dir: str) -> bool:
@@ -678,8 +748,10 @@ class EngineClient:
     """How often a dead engine's name is looked up again (a replacement registers it)."""
 
     def __init__(self, engines: list, names: list[str], *, replacement_timeout_s: float = 600.0,
-                 sticky_max_requests: int = 256):
+                 sticky_max_requests: int = 256, adapter: str | None = None):
         self.engines = list(engines)
+        self.adapter = adapter
+        """Multi-LoRA: the tenant adapter this client's requests sample with (and whose version it reads)."""
         self.names = list(names)
         self.replacement_timeout_s = replacement_timeout_s
         self.sticky_max_requests = sticky_max_requests
@@ -691,11 +763,11 @@ class EngineClient:
 
     def __getstate__(self):
         return {"engines": self.engines, "names": self.names, "replacement_timeout_s": self.replacement_timeout_s,
-                "sticky_max_requests": self.sticky_max_requests}
+                "sticky_max_requests": self.sticky_max_requests, "adapter": self.adapter}
 
     def __setstate__(self, state):
         self.__init__(state["engines"], state["names"], replacement_timeout_s=state["replacement_timeout_s"],
-                      sticky_max_requests=state["sticky_max_requests"])
+                      sticky_max_requests=state["sticky_max_requests"], adapter=state.get("adapter"))
 
     async def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *,
                        engine_index: int | None = None) -> list[Generation]:
@@ -704,7 +776,7 @@ class EngineClient:
             handle = self.engines[index]
             self._in_flight[index] += len(prompts)
             try:
-                return await handle.generate.remote(list(prompts), sampling)
+                return await handle.generate.remote(list(prompts), sampling, self.adapter)
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as error:
                 if not actor_died(error) or engine_index is not None:
                     raise engine_error(error, self.names[index], "generate") from error
@@ -730,7 +802,7 @@ class EngineClient:
             self._in_flight[index] += len(order)
             try:
                 stream = handle.generate_each.options(num_returns="streaming").remote(
-                    [pending[i] for i in order], [samplings[i] for i in order])
+                    [pending[i] for i in order], [samplings[i] for i in order], self.adapter)
                 async for ref in stream:
                     position, generation = await ref
                     del pending[order[position]]
@@ -749,7 +821,7 @@ class EngineClient:
             if not live:
                 await self._live_index()
                 continue
-            answers = await asyncio.gather(*[self.engines[i].current_policy_version.remote() for i in live],
+            answers = await asyncio.gather(*[self.engines[i].current_policy_version.remote(self.adapter) for i in live],
                                            return_exceptions=True)
             versions = []
             for index, answer in zip(live, answers):
@@ -862,16 +934,17 @@ class RolloutEnginePool:
         self.engines[index] = engine
         return engine
 
-    def client(self, replacement_timeout_s: float = 600.0) -> EngineClient:
-        """A picklable handle on these engines for producers (async `generate`; see `EngineClient`)."""
+    def client(self, replacement_timeout_s: float = 600.0, adapter: str | None = None) -> EngineClient:
+        """A picklable handle on these engines for producers (async `generate`; see `EngineClient`); multi-LoRA:
+        one per tenant, its requests sampling with `adapter`."""
         return EngineClient(self.engines, self.names, replacement_timeout_s=replacement_timeout_s,
-                            sticky_max_requests=self.config.max_num_seqs)
+                            sticky_max_requests=self.config.max_num_seqs, adapter=adapter)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *,
-                 engine_index: int | None = None) -> list[Generation]:
-        """Blocking: one engine (round robin unless given) generates for every prompt."""
+                 engine_index: int | None = None, adapter: str | None = None) -> list[Generation]:
+        """Blocking: one engine (round robin unless given) generates for every prompt (with LoRA adapter `adapter`)."""
         index = self._pick(engine_index)
-        (result,) = self._wait([self.engines[index].generate.remote(list(prompts), sampling)],
+        (result,) = self._wait([self.engines[index].generate.remote(list(prompts), sampling, adapter)],
                                self.config.call_timeout_s, "generate", indices=[index])
         return result
 

@@ -62,14 +62,15 @@ class TrainActor:
         self.trainer = RankTrainer(c, self.info)
         return self.info
 
-    def train_shard(self, shard: StepShard) -> RankStepResult:
-        return self.trainer.train_shard(shard)
+    def train_shard(self, shard: StepShard, adapter: str | None = None) -> RankStepResult:
+        return self.trainer.train_shard(shard, adapter)
 
-    def train_step(self, shard_ref: ShardRef, timeout_s: float) -> RankStepResult:
+    def train_step(self, shard_ref: ShardRef, timeout_s: float, adapter: str | None = None) -> RankStepResult:
         """Pull this DP rank's shard from the object store (its ShardRef comes from the group's driver,
-        which asks the scheduler for every rank's at once) and train it. The driver acks the step."""
+        which asks the scheduler for every rank's at once) and train it (multi-LoRA: as tenant `adapter`'s
+        step). The driver acks the step."""
         shard = shard_ref.fetch(timeout_s=timeout_s + _RPC_MARGIN_S)
-        return self.trainer.train_shard(shard)
+        return self.trainer.train_shard(shard, adapter)
 
     def state_dict(self) -> dict:
         return self.trainer.state_dict()
@@ -98,37 +99,39 @@ class TrainActor:
     def full_parameters(self) -> dict:
         return self.trainer.full_parameters()
 
-    def save_adapter(self, directory: str) -> str | None:
-        """LoRA: the adapters as PEFT files in `directory`, written by global rank 0; the first replica's ranks
-        must all call it (they gather the adapters together). Returns the directory on rank 0."""
+    def save_adapter(self, directory: str, adapter: str) -> str | None:
+        """LoRA: adapter `adapter` as PEFT files in `directory`, written by global rank 0; the first replica's
+        ranks must all call it (they gather the adapter together). Returns the directory on rank 0."""
         from vgbs_ray.lora import base_model_name, save_peft_adapter
 
         if not self.info.in_first_replica:
             return None
-        adapters = self.trainer.full_parameters(adapters=True)
+        tensors = self.trainer.full_parameters(adapters=True, adapter=adapter)
         if self.rank != 0:
             return None
-        return save_peft_adapter(directory, adapters, self.config.lora, base_model_name(self.config.model))
+        return save_peft_adapter(directory, tensors, self.config.adapters[adapter].lora,
+                                 base_model_name(self.config.model))
 
     def load_full_parameters(self, full: dict) -> None:
         self.trainer.load_full_parameters(full)
 
-    def export_hf_weights(self, include_base: bool = True):
+    def export_hf_weights(self, include_base: bool = True, adapter: str | None = None):
         """Weight sync (actors/weight_sync.py): on global rank 0, (object ref of the HF-named weights,
         bytes), owned by this actor; None on other ranks. Every rank of the first replica must call it
         (`RankInfo.in_first_replica`: they gather the whole model together)."""
         from actors.weight_sync import put_hf_weights
 
-        base, adapters = self._policy_weights(include_base)
+        base, adapters = self._policy_weights(include_base, adapter)
         return put_hf_weights(base, self.config.model, adapters) if self.rank == 0 else None
 
-    def _policy_weights(self, include_base: bool) -> tuple[dict, dict | None]:
+    def _policy_weights(self, include_base: bool, adapter: str | None) -> tuple[dict, dict | None]:
         """(base, adapters) as the engines need them: without LoRA the whole model and no adapters; with LoRA the
-        adapters, and the frozen base only when asked (a collective over the first replica, like the export)."""
-        if self.config.lora is None:
+        adapters (one tenant's when `adapter` names it), and the frozen base only when asked (a collective over the
+        first replica, like the export)."""
+        if not self.config.adapters:
             return self.trainer.full_parameters(), None
         base = self.trainer.full_parameters() if include_base else {}
-        return base, self.trainer.full_parameters(adapters=True)
+        return base, self.trainer.full_parameters(adapters=True, adapter=adapter)
 
     def open_weight_channel(self, address: str, world_size: int, backend: str, timeout_s: float) -> None:
         """Rank 0: host the weight channel to the engines (actors/weight_channel.py); blocks until they joined."""
@@ -142,15 +145,15 @@ class TrainActor:
         self._weight_channel = WeightChannel(address, rank=0, world_size=world_size, backend=backend,
                                              timeout_s=timeout_s)
 
-    def send_weights(self, policy_version: int, bucket_bytes: int, dtype: str,
-                     include_base: bool = True) -> tuple[int, float] | None:
+    def send_weights(self, policy_version: int, bucket_bytes: int, dtype: str, include_base: bool = True,
+                     adapter: str | None = None) -> tuple[int, float] | None:
         """Weight sync over the channel: on global rank 0 (bytes sent, seconds), None on the other ranks of the
         first replica, which must call it too (they gather the full weights together)."""
         import time
 
         from actors.weight_sync import hf_tensors_from_full
 
-        base, adapters = self._policy_weights(include_base)
+        base, adapters = self._policy_weights(include_base, adapter)
         if self.rank != 0:
             return None
         started = time.perf_counter()

@@ -11,7 +11,7 @@ from typing import Literal
 
 from vgbs_ray.config import ParallelConfig
 from vgbs_ray.errors import ConfigError
-from vgbs_ray.lora import LoraConfig
+from vgbs_ray.lora import DEFAULT_ADAPTER, LoraConfig, check_adapter_name
 from vgbs_ray.lr_schedule import LRScheduleConfig
 from vgbs_ray.metrics import MetricPairs
 from vgbs_ray.model_families import RopeScaling, WeightLayout, get_family
@@ -196,6 +196,19 @@ class LossConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AdapterConfig:
+    """One LoRA adapter the train group trains, with its own optimizer and LR schedule: train.lora's (named
+    `policy`, with train.optimizer) or a multi-LoRA tenant's (docs/lora.md)."""
+
+    name: str
+    lora: LoraConfig
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
+    def __post_init__(self):
+        check_adapter_name(self.name)
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainGroupConfig:
     """Everything a train group needs: model, optimizer, loss, parallel sizes, placement, timeouts."""
 
@@ -204,6 +217,9 @@ class TrainGroupConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     lora: LoraConfig | None = None
     """Train LoRA adapters on the frozen model (docs/lora.md); None trains every weight."""
+    tenant_adapters: tuple[AdapterConfig, ...] = ()
+    """Multi-LoRA: one adapter per tenant over the one frozen base, each step training one of them (set by a
+    multi-tenant job from its tenants; train.lora must then be unset)."""
     dp_size: int = 1
     tp_size: int = 1
     pp_size: int = 1
@@ -240,8 +256,14 @@ class TrainGroupConfig:
                 raise ConfigError(f"TrainGroupConfig.{name} must be a positive integer, got {value!r}")
         self._check_pipeline()
         self._check_experts()
-        if self.lora is not None:
-            self.lora.check_model(num_experts=self.model.num_experts, family=self.model.family)
+        if self.lora is not None and self.tenant_adapters:
+            raise ConfigError("train.lora and tenants both set: a multi-LoRA job gives each tenant its own "
+                              "tenants[i].lora; unset train.lora")
+        names = [adapter.name for adapter in self.tenant_adapters]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tenant names must differ, got {names}")
+        for adapter in self.adapters.values():
+            adapter.lora.check_model(num_experts=self.model.num_experts, family=self.model.family)
         if self.model.params_dtype == "bfloat16" and self.backend != "nccl":
             raise ConfigError(
                 "TrainGroupConfig: model.params_dtype='bfloat16' needs backend='nccl' (a GPU): Megatron-Core 0.16.1's "
@@ -309,6 +331,13 @@ class TrainGroupConfig:
     def microbatch_group(self) -> int:
         """Megatron's micro-batch group per virtual stage (N): the configured one, or pp_size."""
         return self.microbatch_group_size_per_vp_stage or self.pp_size
+
+    @property
+    def adapters(self) -> dict[str, AdapterConfig]:
+        """The LoRA adapters trained, by name: none (every weight trains), train.lora's, or the tenants'."""
+        if self.lora is not None:
+            return {DEFAULT_ADAPTER: AdapterConfig(name=DEFAULT_ADAPTER, lora=self.lora, optimizer=self.optimizer)}
+        return {adapter.name: adapter for adapter in self.tenant_adapters}
 
     @property
     def world_size(self) -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Callable, Sequence
 
@@ -115,13 +116,14 @@ class TrainGroup:
     # -- steps --------------------------------------------------------------------------
 
     def train_step(self, step: int, scheduler, *, shard_timeout_s: float | None = None,
-                   while_waiting: Callable[[], None] | None = None) -> StepResult | None:
+                   while_waiting: Callable[[], None] | None = None, adapter: str | None = None) -> StepResult | None:
         """Every rank pulls its shard of `step` and trains it, then this driver acks the step for all of
         them; None when the stream ended. The driver asks the scheduler for every DP rank's ShardRef in
         one call and hands each rank its own (TP peers share their DP rank's): one scheduler call per
         step for the whole group, whatever its size; the shards themselves go from the object store
         straight to the ranks. `while_waiting` is called about every `_WAITING_SLICE_S` seconds until the
-        scheduler answers, on this thread, with every rank idle (the closed loop's `catch_up`)."""
+        scheduler answers, on this thread, with every rank idle (the closed loop's `catch_up`). Multi-LoRA:
+        `adapter` names the tenant whose scheduler this is (its step trains that adapter only)."""
         wait_s = shard_timeout_s if shard_timeout_s is not None else self.config.step_timeout_s
         waiting_since = time.perf_counter()
         answer = scheduler.get_step.remote(step, timeout_s=wait_s)
@@ -142,7 +144,7 @@ class TrainGroup:
                                  f"{self.config.dp_size}", FailureKind.NO_SHARD)
         # The step's rollout count in each rank's task name: the Ray dashboard's task list shows it.
         task_name = f"train_step step={step} rollouts={refs[0].num_rollouts}"
-        results = self._gather([actor.train_step.options(name=task_name).remote(refs[info.dp_rank], wait_s)
+        results = self._gather([actor.train_step.options(name=task_name).remote(refs[info.dp_rank], wait_s, adapter)
                                 for actor, info in zip(self.actors, self.rank_infos)],
                                self.config.step_timeout_s + wait_s, f"step {step}")
         self._ack(step, scheduler, results)
@@ -222,14 +224,19 @@ class TrainGroup:
                                self.config.step_timeout_s, "save_checkpoint")
         return [w for w in written if w]
 
-    def save_adapter(self, directory: str) -> str:
-        """LoRA (train.lora): the adapters as PEFT files (`adapter_config.json`, `adapter_model.safetensors`) in
-        `directory`, loadable by `peft` onto the Hugging Face model and by vLLM (docs/lora.md)."""
-        if self.config.lora is None:
-            raise ValueError("save_adapter: this train group trains every weight (train.lora is not set)")
-        written = self._gather([a.save_adapter.remote(str(directory)) for a in self.actors],
-                               self.config.step_timeout_s, "save_adapter")
-        return next(w for w in written if w)
+    def save_adapters(self, directory: str) -> list[str]:
+        """LoRA: each adapter as PEFT files (`adapter_config.json`, `adapter_model.safetensors`) in `directory`
+        (train.lora's), or in `directory/<tenant>` (multi-LoRA); loadable by `peft` onto the Hugging Face model and
+        by vLLM (docs/lora.md). Returns the directories."""
+        if not self.config.adapters:
+            raise ValueError("save_adapters: this train group trains every weight (train.lora is not set)")
+        written = []
+        for name in self.config.adapters:
+            target = os.path.join(str(directory), name) if self.config.tenant_adapters else str(directory)
+            results = self._gather([a.save_adapter.remote(target, name) for a in self.actors],
+                                   self.config.step_timeout_s, "save_adapter")
+            written.append(next(w for w in results if w))
+        return written
 
     def load_checkpoint(self, path: str) -> None:
         self._gather([a.load_checkpoint.remote(str(path)) for a in self.actors],

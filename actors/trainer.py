@@ -73,9 +73,10 @@ class RankTrainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.megatron = MegatronStep(config)
-        self.optimizer = self.megatron.optimizer
         self.device = self.megatron.device  # collective buffers live where the backend wants them
         self.consumed_rollouts = 0
+        self.tenant_consumed = {name: 0 for name in config.adapters} if config.tenant_adapters else {}
+        """Multi-LoRA: rollouts each tenant's steps consumed (each its own LR schedule)."""
         self.loss = config.loss.build()
 
     @property
@@ -84,8 +85,14 @@ class RankTrainer:
 
     # -- the step -----------------------------------------------------------------------
 
-    def train_shard(self, shard: StepShard) -> RankStepResult:
+    def train_shard(self, shard: StepShard, adapter: str | None = None) -> RankStepResult:
+        """Train one step's shard; multi-LoRA: `adapter` names the tenant whose step it is (only its adapter and
+        optimizer move, with its own LR schedule)."""
         start = time.perf_counter()
+        if bool(adapter) != bool(self.tenant_consumed) or (adapter and adapter not in self.tenant_consumed):
+            raise ShardMismatchError(f"step {shard.step}: shard for adapter {adapter!r}, but this group trains "
+                                     f"{sorted(self.tenant_consumed) or 'no tenant adapters'}")
+        self.megatron.activate(adapter)
         if shard.rank != self.info.dp_rank or shard.dp_size != self.dp_size:
             raise ShardMismatchError(
                 f"step {shard.step}: shard for dp rank {shard.rank} of {shard.dp_size} sent to dp rank "
@@ -108,18 +115,22 @@ class RankTrainer:
                                              or (self.config.cp_size > 1 and self.loss.needs_sample_log_ratio)):
             sequence_log_ratios = self.sequence_log_ratios(
                 micro_batches, behaviour, self.step_start_log_probs(micro_batches), shard.num_rollouts)
-        consumed = self.consumed_rollouts + shard.num_rollouts
-        lr = lr_at(self.config.optimizer.lr_schedule, consumed)
+        consumed = (self.tenant_consumed[adapter] if adapter else self.consumed_rollouts) + shard.num_rollouts
+        optimizer = self.config.adapters[adapter].optimizer if adapter else self.config.optimizer
+        lr = lr_at(optimizer.lr_schedule, consumed)
         local, grad_norm = self._step(micro_batches, behaviour, lr, step_start=step_start,
                                       sequence_log_ratios=sequence_log_ratios, step=shard.step)
-        self.consumed_rollouts = consumed  # a refused step (NonFiniteLossError) consumed nothing
+        if adapter:  # a refused step (NonFiniteLossError) consumed nothing
+            self.tenant_consumed[adapter] = consumed
+        else:
+            self.consumed_rollouts = consumed
         if self.config.cp_size > 1:
             local = self._sum_over_context_parallel(local)
         return RankStepResult(
             step=shard.step, rank=self.info.rank, dp_rank=self.info.dp_rank, num_rollouts=shard.num_rollouts,
             num_microbatches=len(micro_batches), path="layout" if shard.has_layout else "legacy",
             metrics=local if self.info.is_lead else {}, lr=lr, grad_norm=grad_norm,
-            step_time_s=time.perf_counter() - start, consumed_rollouts=self.consumed_rollouts,
+            step_time_s=time.perf_counter() - start, consumed_rollouts=consumed,
         )
 
     def _micro_batch_positions(self, shard: StepShard) -> list[list[int]]:
@@ -302,8 +313,10 @@ class RankTrainer:
             "model": [{k: v for k, v in chunk.module.state_dict().items()
                        if isinstance(v, torch.Tensor) and (not lora or is_adapter_name(k))}
                       for chunk in self.megatron.chunks],
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": ({name: optimizer.state_dict() for name, optimizer in self.megatron.optimizers.items()}
+                          if self.tenant_consumed else self.megatron.optimizer.state_dict()),
             "consumed_rollouts": self.consumed_rollouts,
+            "tenant_consumed": dict(self.tenant_consumed),
         })
 
     def load_state_dict(self, state: dict) -> None:
@@ -312,15 +325,20 @@ class RankTrainer:
                              "(saved with another vpp_size?)")
         for chunk, chunk_state in zip(self.megatron.chunks, state["model"]):
             chunk.module.load_state_dict(chunk_state, strict=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.tenant_consumed:
+            for name, optimizer in self.megatron.optimizers.items():
+                optimizer.load_state_dict(state["optimizer"][name])
+        else:
+            self.megatron.optimizer.load_state_dict(state["optimizer"])
         self.consumed_rollouts = int(state["consumed_rollouts"])
+        self.tenant_consumed.update(state.get("tenant_consumed", {}))
 
-    def full_parameters(self, *, adapters: bool = False) -> dict[str, np.ndarray]:
+    def full_parameters(self, *, adapters: bool = False, adapter: str | None = None) -> dict[str, np.ndarray]:
         """Every parameter of the whole model, global names (collective over TP and PP: every such peer must call);
         with LoRA the base's, or the adapters' (`adapters=True`). bf16 parameters come out as float32 arrays
         (numpy has no bfloat16; the conversion is exact)."""
         return {name: (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
-                for name, tensor in self.megatron.full_parameters(adapters=adapters).items()}
+                for name, tensor in self.megatron.full_parameters(adapters=adapters, adapter=adapter).items()}
 
     def load_full_parameters(self, full: dict) -> None:
         """Set this rank's parameters from whole-model arrays (as `full_parameters` returns them)."""

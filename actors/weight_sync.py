@@ -101,16 +101,16 @@ def hf_tensors_from_full(full: dict[str, np.ndarray], model: ModelConfig, dtype=
                          adapters: dict[str, np.ndarray] | None = None) -> dict:
     """Whole-model Megatron parameters (as `RankTrainer.full_parameters` returns them) -> HF-named torch
     tensors, cast to `dtype` when given (e.g. torch.bfloat16: half the bytes of a float32 sync). With LoRA,
-    `full` may be empty (the base did not change) and `adapters` are added under their PEFT names."""
+    `full` may be empty (the base did not change) and `adapters` are added as `<adapter>/<PEFT name>`
+    (`vgbs_ray.lora.sync_key`)."""
     import torch  # here, not at the top: producers import this module (via actors.rollout_engine) and need no torch
 
     from vgbs_ray.hf_mapping import megatron_to_hf
-    from vgbs_ray.lora import megatron_to_peft_name
+    from vgbs_ray.lora import sync_key
 
     hf = megatron_to_hf({name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in full.items()},
                         model.weight_layout) if full else {}
-    hf.update({megatron_to_peft_name(name): torch.from_numpy(np.ascontiguousarray(a))
-               for name, a in (adapters or {}).items()})
+    hf.update({sync_key(name): torch.from_numpy(np.ascontiguousarray(a)) for name, a in (adapters or {}).items()})
     return hf if dtype is None else {name: tensor.to(dtype) for name, tensor in hf.items()}
 
 
@@ -123,9 +123,10 @@ def put_hf_weights(full: dict[str, np.ndarray], model: ModelConfig,
 
 
 def publish_weights(group, policy_version: int, *, timeout_s: float | None = None,
-                    include_base: bool = True) -> PublishedWeights:
+                    include_base: bool = True, adapter: str | None = None) -> PublishedWeights:
     """Export `group`'s current weights as version `policy_version` into the object store (see module doc).
-    With LoRA (train.lora) they are the adapters, and the frozen base too when `include_base`.
+    With LoRA they are the adapters (multi-LoRA: tenant `adapter`'s alone), and the frozen base too when
+    `include_base`.
 
     `group` is a TrainGroup; only the first replica takes part (DP replica 0's TP and PP peers, and with expert
     parallelism its EP peers, gather together: `RankInfo.in_first_replica`).
@@ -134,7 +135,7 @@ def publish_weights(group, policy_version: int, *, timeout_s: float | None = Non
     start = time.perf_counter()
     replica = [(actor, info) for actor, info in zip(group.actors, group.rank_infos) if info.in_first_replica]
     timeout_s = group.config.step_timeout_s if timeout_s is None else timeout_s
-    results = group._gather([actor.export_hf_weights.remote(include_base) for actor, _ in replica],  # noqa: SLF001
+    results = group._gather([actor.export_hf_weights.remote(include_base, adapter) for actor, _ in replica],  # noqa: SLF001
                             timeout_s, f"publish weights v{policy_version}")
     ((ref, num_bytes),) = [r for r in results if r is not None]  # global rank 0's
     return PublishedWeights(policy_version=policy_version, ref=ref, num_bytes=num_bytes,
@@ -165,14 +166,15 @@ def open_weight_channel(group, engines, config: WeightSyncConfig) -> None:
     ray.get(joins, timeout=config.timeout_s + 30)
 
 
-def send_weights(group, policy_version: int, config: WeightSyncConfig, *, include_base: bool = True) -> SentWeights:
+def send_weights(group, policy_version: int, config: WeightSyncConfig, *, include_base: bool = True,
+                 adapter: str | None = None) -> SentWeights:
     """Gather `group`'s weights on the first replica and broadcast them from rank 0 as `policy_version` (with
     LoRA: the adapters, and the base too when `include_base`). A rank that fails or dies raises `TrainStepError`
     naming it."""
     start = time.perf_counter()
     replica = [actor for actor, info in zip(group.actors, group.rank_infos) if info.in_first_replica]
     results = group._gather([actor.send_weights.remote(policy_version, config.bucket_bytes, config.dtype,  # noqa: SLF001
-                                                       include_base)
+                                                       include_base, adapter)
                              for actor in replica], config.timeout_s, f"send weights v{policy_version}")
     ((num_bytes, _),) = [r for r in results if r is not None]
     return SentWeights(policy_version, num_bytes, time.perf_counter() - start)

@@ -88,7 +88,8 @@ def measure(name: str, fields: dict, model_dir: str, lora) -> dict:
     engines = None
     try:
         first = publish_weights(group, 0)  # with LoRA: base + adapter, the job's first sync
-        engines = RolloutEnginePool(EngineConfig(num_engines=1, max_model_len=256, lora=lora, startup_timeout_s=900,
+        engines = RolloutEnginePool(EngineConfig(num_engines=1, max_model_len=256, startup_timeout_s=900,
+                                                 lora_adapters=(("policy", lora),) if lora else (),
                                                  call_timeout_s=900), model_dir, policy_version=0)
         engines.wait_for_weights(engines.update_weights(first))
         syncs, steps = [], []

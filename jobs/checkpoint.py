@@ -83,8 +83,8 @@ def save_job_state(output_dir: str, next_step: int, group, scheduler, cursors: C
     _write_json(os.path.join(path, "producers.json"), {"cursors": taken})
     _write_bytes(os.path.join(path, "scheduler.pkl"), pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
     group.save_checkpoint(path)
-    if group.config.lora is not None:  # the adapters as people load them (peft, vLLM): docs/lora.md
-        group.save_adapter(os.path.join(path, "adapter"))
+    if group.config.adapters:  # the adapters as people load them (peft, vLLM): docs/lora.md
+        group.save_adapters(os.path.join(path, "adapter"))
     _write_json(os.path.join(path, "ledger.json"), ledger_record(state))
     _write_json(os.path.join(path, "job.json"), {"next_step": next_step, "policy_version": state.policy_version})
     _write_text(os.path.join(checkpoint_root(output_dir), "latest"), os.path.basename(path))

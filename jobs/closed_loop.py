@@ -137,8 +137,9 @@ class ClosedLoop:
     base_published: object = None
     """With LoRA (object store): the publish that carried the frozen base (the first); a replacement engine loads
     it before `published`, which carries the adapter alone."""
-    lora: object = None
-    """train.lora: every publish after the first carries the adapter alone."""
+    adapter: str | None = None
+    """With LoRA, the adapter this loop's publishes carry (train.lora's `policy`, or its tenant's); every publish
+    after the first carries it alone."""
     engine_watch: object = None
     """The EngineWatch (jobs/engine_watch.py) that replaces dead or hung engines; None without engines."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -156,9 +157,11 @@ class ClosedLoop:
         if not loop_config.enabled:
             loop = cls(engines=None, prompts=prompts)
         else:
-            engines = RolloutEnginePool(replace(loop_config.engines, lora=config.train.lora),
+            adapters = tuple((name, adapter.lora) for name, adapter in config.train.adapters.items())
+            engines = RolloutEnginePool(replace(loop_config.engines, lora_adapters=adapters),
                                         engine_start_dir(config), policy_version=policy_version, wait=False)
-            loop = cls(engines=engines, prompts=prompts, weight_sync=loop_config.weight_sync, lora=config.train.lora,
+            loop = cls(engines=engines, prompts=prompts, weight_sync=loop_config.weight_sync,
+                       adapter=next(iter(config.train.adapters), None),
                        policy_version=policy_version, replacement_timeout_s=loop_config.engines.startup_timeout_s + 60)
         try:
             loop.producer_args = (loop._producer_config(config), scheduler, prompts)
@@ -261,11 +264,13 @@ class ClosedLoop:
                     open_weight_channel(group, self.engines, self.weight_sync)
                     self.channel_group = group
                 # with LoRA the base goes only over a new channel (which may reach an engine without it)
-                send_weights(group, policy_version, self.weight_sync, include_base=self.lora is None or new_channel)
+                send_weights(group, policy_version, self.weight_sync, include_base=self.adapter is None or new_channel,
+                             adapter=self.adapter)
                 self.loads.append((policy_version, self.engines.weight_loads(policy_version)))
             else:
-                include_base = self.lora is None or self.base_published is None
-                self.published = publish_weights(group, policy_version, include_base=include_base)
+                include_base = self.adapter is None or self.base_published is None
+                self.published = publish_weights(group, policy_version, include_base=include_base,
+                                                 adapter=self.adapter)
                 if include_base:
                     self.base_published = self.published
                 self.loads.append((policy_version, self.engines.update_weights(self.published)))

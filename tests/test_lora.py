@@ -209,3 +209,54 @@ def test_training_starts_from_an_adapter_file_made_for_this_base_and_refuses_ano
     other = dataclasses.replace(LORA, rank=2, adapter_dir=str(tmp_path / "mine"))
     with pytest.raises(AdapterMismatchError, match="made for base 'vgbs-ray:llama-layers2-hidden128"):
         inprocess_trainer(sgd_config(lora=other))  # rank 2 shapes: the rank-4 file does not fit
+
+
+# -- multi-LoRA: one adapter per tenant ---------------------------------------------------------
+
+def _tenants_config(**overrides) -> TrainGroupConfig:
+    from actors.train_config import AdapterConfig, OptimizerConfig
+    from vgbs_ray.lr_schedule import LRScheduleConfig
+
+    adam = OptimizerConfig(kind="adamw", lr_schedule=LRScheduleConfig(lr=1e-2))
+    return TrainGroupConfig(tenant_adapters=(
+        AdapterConfig(name="math", lora=LORA, optimizer=adam),
+        AdapterConfig(name="code", lora=dataclasses.replace(LORA, rank=2, target_modules=("q_proj", "v_proj")),
+                      optimizer=dataclasses.replace(adam, lr_schedule=LRScheduleConfig(lr=3e-3)))), **overrides)
+
+
+def test_a_tenants_step_moves_only_its_adapter_with_its_own_optimizer_and_schedule():
+    trainer = inprocess_trainer(_tenants_config())
+    samples = make_samples(8, 4)
+
+    def snapshot():
+        return {**trainer.full_parameters(), **trainer.full_parameters(adapters=True)}
+
+    for tenant, other in (("math", "code"), ("code", "math"), ("math", "code")):  # Adam's moments: a 2nd math step
+        before = snapshot()
+        result = trainer.train_shard(one_step_shards(samples, 1)[0], tenant)
+        after = snapshot()
+        changed = {name for name in before if not np.array_equal(before[name], after[name])}
+        assert changed and all(f".lora.{tenant}." in name for name in changed), (tenant, sorted(changed)[:3])
+        assert result.lr == {"math": 1e-2, "code": 3e-3}[tenant]
+    assert trainer.tenant_consumed == {"math": 8, "code": 4}
+    with pytest.raises(ValueError, match=r"adapter 'chat'.*\['code', 'math'\]"):
+        trainer.train_shard(one_step_shards(samples, 1)[0], "chat")
+    resumed = inprocess_trainer(_tenants_config())
+    resumed.load_state_dict(trainer.state_dict())
+    assert resumed.tenant_consumed == trainer.tenant_consumed
+    for adapter in ("math", "code"):  # the next step of a resumed run equals the uninterrupted one's (Adam state)
+        trainer.train_shard(one_step_shards(samples, 1)[0], adapter)
+        resumed.train_shard(one_step_shards(samples, 1)[0], adapter)
+        want, got = trainer.full_parameters(adapters=True), resumed.full_parameters(adapters=True)
+        assert all(np.array_equal(want[name], got[name]) for name in want)
+
+
+def test_tenant_adapters_are_refused_beside_train_lora_and_under_one_name():
+    from actors.train_config import AdapterConfig
+
+    with pytest.raises(ConfigError, match="train.lora and tenants both set"):
+        _tenants_config(lora=LORA)
+    with pytest.raises(ConfigError, match=r"tenant names must differ, got \['a', 'a'\]"):
+        TrainGroupConfig(tenant_adapters=(AdapterConfig(name="a", lora=LORA), AdapterConfig(name="a", lora=LORA)))
+    with pytest.raises(ConfigError, match="letters, digits and underscores"):
+        AdapterConfig(name="my tenant", lora=LORA)

@@ -33,7 +33,8 @@ def test_the_engine_samples_with_the_newest_adapter_and_its_log_probs_equal_the_
     trainer = inprocess_trainer(sgd_config(model=MODEL, lora=LORA))
     model = trainer.megatron.chunks[0].module
     base, first = trainer.full_parameters(), random_adapters(trainer, 1, scale=0.3)
-    engines = RolloutEnginePool(EngineConfig(num_engines=1, max_model_len=MODEL.max_position_embeddings, lora=LORA),
+    engines = RolloutEnginePool(EngineConfig(num_engines=1, max_model_len=MODEL.max_position_embeddings,
+                                             lora_adapters=(("policy", LORA),)),
                                 str(write_hf_config(tmp_path / "engine", MODEL)), policy_version=1)
     try:
         engine = engines.engines[0]
@@ -66,7 +67,7 @@ def test_an_adapter_sent_to_an_engine_without_lora_is_refused_naming_it(ray_sess
                                 str(write_hf_config(tmp_path / "engine", MODEL)), policy_version=0)
     try:
         weights = _weights(trainer.full_parameters(), trainer.full_parameters(adapters=True))
-        with pytest.raises(EngineError, match="carries a LoRA adapter .*started without EngineConfig.lora"):
+        with pytest.raises(EngineError, match=r"carries LoRA adapter\(s\) \['policy'\], but the engine serves none"):
             ray.get(engines.engines[0].update_weights.remote(0, weights), timeout=120)
     finally:
         engines.shutdown()

@@ -43,6 +43,8 @@ MEGATRON_LAYER_TARGETS = {
 _HF_PARENT = {**{t: "self_attn" for t in ATTENTION_TARGETS}, **{t: "mlp" for t in MLP_TARGETS}}
 _MEGATRON_LAYER = {target: layer for layer, targets in MEGATRON_LAYER_TARGETS.items() for target in targets}
 
+DEFAULT_ADAPTER = "policy"
+"""The adapter of train.lora (a multi-LoRA job's adapters are named after their tenants)."""
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -109,30 +111,62 @@ class LoraConfig:
 
 
 def is_adapter_name(name: str) -> bool:
-    """A Megatron parameter name of an adapter (actors/lora_layers.py names them `...lora.<target>_A|B`)."""
+    """A Megatron parameter name of an adapter (actors/lora_layers.py names them `...lora.<adapter>.<target>_A|B`)."""
     return ".lora." in name
 
 
-_MEGATRON_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.(linear_\w+)\.lora\.(\w+)_(A|B)$")
+_MEGATRON_NAME = re.compile(
+    r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.(linear_\w+)\.lora\.(\w+)\.(\w+)_(A|B)$")
 _PEFT_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight$")
 
 
-def megatron_to_peft_name(name: str) -> str:
-    """`decoder.layers.N.<layer>.lora.<target>_A` (global layer index) -> PEFT's name for it."""
+def _megatron_parts(name: str) -> tuple[str, ...]:
     match = _MEGATRON_NAME.match(name)
     if match is None:
-        raise ValueError(f"{name!r} is not an adapter parameter name (decoder.layers.N.<layer>.lora.<target>_A|B)")
-    layer, _, _, target, matrix = match.groups()
+        raise ValueError(f"{name!r} is not an adapter parameter name (decoder.layers.N.<layer>.lora.<adapter>."
+                         "<target>_A|B)")
+    return match.groups()
+
+
+def adapter_of(name: str) -> str:
+    """The adapter a Megatron adapter parameter belongs to (`policy` for the one of train.lora, else a tenant's)."""
+    return _megatron_parts(name)[3]
+
+
+def megatron_to_peft_name(name: str) -> str:
+    """`decoder.layers.N.<layer>.lora.<adapter>.<target>_A` (global layer index) -> PEFT's name for it."""
+    layer, _, _, _, target, matrix = _megatron_parts(name)
     return f"{PEFT_PREFIX}model.layers.{layer}.{_HF_PARENT[target]}.{target}.lora_{matrix}.weight"
 
 
-def peft_to_megatron_name(name: str) -> str:
+def peft_to_megatron_name(name: str, adapter: str = DEFAULT_ADAPTER) -> str:
     match = _PEFT_NAME.match(name)
     if match is None or match.group(3) not in _MEGATRON_LAYER:
         raise AdapterMismatchError(f"{name!r} is not a LoRA weight of a projection this trainer adapts "
                                    f"({list(TARGET_MODULES)})")
     layer, _, target, matrix = match.groups()
-    return f"decoder.layers.{layer}.{_MEGATRON_LAYER[target]}.lora.{target}_{matrix}"
+    return f"decoder.layers.{layer}.{_MEGATRON_LAYER[target]}.lora.{adapter}.{target}_{matrix}"
+
+
+def sync_key(name: str) -> str:
+    """How an adapter parameter travels in a weight sync: `<adapter>/<PEFT name>` (base weights keep their Hugging
+    Face names, which have no `/`)."""
+    return f"{adapter_of(name)}/{megatron_to_peft_name(name)}"
+
+
+def split_sync_key(key: str) -> tuple[str, str] | None:
+    """(adapter, PEFT name) of an adapter's key in a weight sync; None for a base weight."""
+    adapter, slash, peft_name = key.partition("/")
+    return (adapter, peft_name) if slash and peft_name.startswith(PEFT_PREFIX) else None
+
+
+def check_adapter_name(name: str) -> None:
+    if not isinstance(name, str) or not _ADAPTER_NAME.match(name):
+        raise ConfigError(f"adapter (tenant) name {name!r} must be letters, digits and underscores (it names "
+                          "parameters, files and vLLM adapters)")
+
+
+_ADAPTER_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
 
 
 def base_model_name(model) -> str:
@@ -154,7 +188,8 @@ def peft_adapter_config(lora: LoraConfig, base_model_name_or_path: str) -> dict:
 
 def save_peft_adapter(directory: str, adapter: Mapping[str, np.ndarray], lora: LoraConfig,
                       base_model_name_or_path: str) -> str:
-    """Write the adapter (Megatron or PEFT names -> arrays) as PEFT files in `directory`; returns it."""
+    """Write one adapter (Megatron names of one adapter, or PEFT names -> arrays) as PEFT files in `directory`;
+    returns it."""
     from safetensors.numpy import save_file
 
     os.makedirs(directory, exist_ok=True)
@@ -167,8 +202,9 @@ def save_peft_adapter(directory: str, adapter: Mapping[str, np.ndarray], lora: L
 
 
 def load_peft_adapter(directory: str, *, expected_shapes: Mapping[str, tuple[int, ...]],
-                      base_model_name_or_path: str) -> tuple[LoraConfig, dict[str, np.ndarray]]:
-    """An adapter's config and its tensors under Megatron names, checked against the model it is loaded onto:
+                      base_model_name_or_path: str,
+                      adapter: str = DEFAULT_ADAPTER) -> tuple[LoraConfig, dict[str, np.ndarray]]:
+    """An adapter's config and its tensors under Megatron names (as adapter `adapter`), checked against the model:
     `expected_shapes` (Megatron adapter name -> whole-model shape). An adapter made for another base (other
     shapes, other targets) is refused, naming both bases."""
     from safetensors.numpy import load_file
@@ -181,7 +217,7 @@ def load_peft_adapter(directory: str, *, expected_shapes: Mapping[str, tuple[int
     lora = LoraConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
                       dropout=float(config.get("lora_dropout", 0.0)),
                       target_modules=tuple(sorted(config["target_modules"])))
-    tensors = {peft_to_megatron_name(name): array
+    tensors = {peft_to_megatron_name(name, adapter): array
                for name, array in load_file(os.path.join(directory, ADAPTER_WEIGHTS)).items()}
     theirs = config.get("base_model_name_or_path")
     wrong = sorted(set(tensors) ^ set(expected_shapes))[:3] or [
