@@ -6,6 +6,8 @@ Real vLLM CPU engine in a Ray actor; the trainer is an in-process Megatron rank 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import ray
@@ -69,5 +71,37 @@ def test_an_adapter_sent_to_an_engine_without_lora_is_refused_naming_it(ray_sess
         weights = _weights(trainer.full_parameters(), trainer.full_parameters(adapters=True))
         with pytest.raises(EngineError, match=r"carries LoRA adapter\(s\) \['policy'\], but the engine serves none"):
             ray.get(engines.engines[0].update_weights.remote(0, weights), timeout=120)
+    finally:
+        engines.shutdown()
+
+
+def test_one_engine_serves_two_tenants_each_with_its_own_adapter_and_version(ray_session, tmp_path):
+    from tests.test_lora import _tenants_config
+
+    config = dataclasses.replace(_tenants_config(), model=MODEL)
+    trainer = inprocess_trainer(config)
+    model = trainer.megatron.chunks[0].module
+    adapters = random_adapters(trainer, 5, scale=0.3)
+    trainer.load_full_parameters(adapters)
+    lora_adapters = tuple((name, adapter.lora) for name, adapter in config.adapters.items())
+    engines = RolloutEnginePool(EngineConfig(num_engines=1, max_model_len=MODEL.max_position_embeddings,
+                                             lora_adapters=lora_adapters),
+                                str(write_hf_config(tmp_path / "engine", MODEL)), policy_version=0)
+    try:
+        engine = engines.engines[0]
+        math = {name: a for name, a in adapters.items() if ".lora.math." in name}
+        code = {name: a for name, a in adapters.items() if ".lora.code." in name}
+        ray.get(engine.update_weights.remote(0, _weights(trainer.full_parameters(), math)), timeout=120)
+        ray.get(engine.update_weights.remote(3, _weights({}, code)), timeout=120)  # code's own step count
+        sampling = SamplingConfig(max_tokens=12, seed=9)
+        for tenant, version in (("math", 0), ("code", 3)):
+            generations = engines.generate(PROMPTS, sampling, adapter=tenant)
+            assert {g.policy_version for g in generations} == {version}
+            assert ray.get(engine.current_policy_version.remote(tenant)) == version
+            trainer.megatron.activate(tenant)
+            for got, want in zip(generations, response_log_probs(model, generations)):
+                np.testing.assert_allclose(got.response_log_probs, want, atol=1e-4, rtol=0)
+        with pytest.raises(EngineError, match=r"adapter 'chat' is not served here; adapters: \['code', 'math'\]"):
+            engines.generate(PROMPTS, sampling, adapter="chat")
     finally:
         engines.shutdown()
