@@ -154,6 +154,8 @@ class EngineUtilization:
     """Prompt tokens looked up in vLLM's prefix cache (whole blocks only: 128 tokens on CPU)."""
     prefix_cache_hits: int = 0
     """Of those: tokens whose keys and values were reused (the session's history, when routing is sticky)."""
+    response_tokens_by_adapter: dict = field(default_factory=dict)
+    """Multi-LoRA: tokens sampled per adapter (each tenant's share of the engine's decoding)."""
 
     @property
     def idle_share(self) -> float:
@@ -252,6 +254,7 @@ class RolloutEngine:
         self._busy_s = self._idle_s = 0.0
         self._engine_steps = self._request_steps = self._requests = 0
         self._weight_loads = self._in_flight_loads = 0
+        self._tokens_by_adapter: dict[str, int] = {}
         self._prefix_cache_counts = {"vllm:prefix_cache_queries": 0, "vllm:prefix_cache_hits": 0}
         threading.Thread(target=self._serve, name=f"{name}-vllm", daemon=True).start()
 
@@ -427,6 +430,7 @@ class RolloutEngine:
                                  engine_steps=self._engine_steps, request_steps=self._request_steps,
                                  requests=self._requests, weight_loads=self._weight_loads,
                                  in_flight_loads=self._in_flight_loads,
+                                 response_tokens_by_adapter=dict(self._tokens_by_adapter),
                                  requests_waiting_for_version=self._waiting_for_version)
 
     async def _submit(self, kind: str, payload: tuple):
@@ -525,6 +529,9 @@ class RolloutEngine:
                 continue
             call, index, adapter = self._requests_in_flight.pop(output.request_id)
             call.results[index] = self._generation(output, adapter)
+            if adapter is not None:
+                tokens = len(call.results[index].response_token_ids)
+                self._tokens_by_adapter[adapter] = self._tokens_by_adapter.get(adapter, 0) + tokens
             if call.finished is not None:
                 call.loop.call_soon_threadsafe(call.finished.put_nowait, (index, call.results[index]))
             call.unfinished -= 1

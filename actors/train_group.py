@@ -139,6 +139,12 @@ class TrainGroup:
         shard_wait_s = time.perf_counter() - waiting_since
         if refs is None:
             return None
+        return self.train_refs(step, scheduler, refs, wait_s=wait_s, shard_wait_s=shard_wait_s, adapter=adapter)
+
+    def train_refs(self, step: int, scheduler, refs: list, *, wait_s: float, shard_wait_s: float = 0.0,
+                   adapter: str | None = None) -> StepResult:
+        """Train `step` from the ShardRefs the scheduler answered (`scheduler.get_step`), then ack it; what
+        `train_step` does once the answer is in (a multi-tenant job asks every tenant's scheduler at once)."""
         if len(refs) != self.config.dp_size:
             raise TrainStepError(f"step {step}: the scheduler laid it out for {len(refs)} DP ranks, this group has "
                                  f"{self.config.dp_size}", FailureKind.NO_SHARD)

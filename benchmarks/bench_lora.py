@@ -10,7 +10,8 @@ one vLLM CPU engine each (the LoRA one with `enable_lora`). Per way, medians ove
   trainer_s   what the trainer is blocked for by a sync (gather, convert, one object-store copy)
   ready_s     from the sync's start until the engine holds the version (its load finished)
   step_s      one optimizer step on the same window of rollouts
-  peak_MB     the train rank's peak resident memory (model, gradients, optimizer state, activations)
+  peak_MB     the train rank's peak resident memory over its training steps (before any sync)
+  state_MB    what training holds beyond the weights: Megatron DDP's gradient buffers and the optimizer's state
 
 Ratios are LoRA / full. Figures and the machine: docs/benchmarks.md.
 """
@@ -76,6 +77,26 @@ def peak_rss_mb(actor) -> float:
     return ray.get(actor.__ray_call__.remote(read), timeout=60)
 
 
+def train_state_mb(actor) -> float:
+    """What training holds beyond the model's weights: Megatron DDP's gradient buffers and the optimizer's state."""
+    import ray
+
+    def read(self) -> float:
+        import torch
+
+        megatron = self.trainer.megatron
+        grads = sum(buffer.grad_data.numel() * buffer.grad_data.element_size()
+                    for chunk in megatron.chunks for buffer in chunk.buffers)
+        parts = [part for optimizer in megatron.optimizers.values()
+                 for part in getattr(optimizer, "chained_optimizers", [optimizer])]
+        state = sum(value.numel() * value.element_size() for part in parts
+                    for per_param in part.optimizer.state.values()
+                    for value in per_param.values() if isinstance(value, torch.Tensor) and value.dim() > 0)
+        return (grads + state) / 1e6
+
+    return ray.get(actor.__ray_call__.remote(read), timeout=60)
+
+
 def measure(name: str, fields: dict, model_dir: str, lora) -> dict:
     from actors.rollout_engine import EngineConfig, RolloutEnginePool
     from actors.train_config import LossConfig, ModelConfig, OptimizerConfig, TrainGroupConfig
@@ -87,16 +108,20 @@ def measure(name: str, fields: dict, model_dir: str, lora) -> dict:
                                         loss=LossConfig(policy="ppo")))
     engines = None
     try:
+        steps = []
+        for step in range(ROUNDS):  # training first: the peak below is the training's, not a sync's copies
+            started = time.perf_counter()
+            group.train_shards(shards(window(model.vocab_size, step)))
+            steps.append(time.perf_counter() - started)
+        peak = peak_rss_mb(group.actors[0])
+        state = train_state_mb(group.actors[0])
         first = publish_weights(group, 0)  # with LoRA: base + adapter, the job's first sync
         engines = RolloutEnginePool(EngineConfig(num_engines=1, max_model_len=256, startup_timeout_s=900,
                                                  lora_adapters=(("policy", lora),) if lora else (),
                                                  call_timeout_s=900), model_dir, policy_version=0)
         engines.wait_for_weights(engines.update_weights(first))
-        syncs, steps = [], []
+        syncs = []
         for version in range(1, ROUNDS + 1):
-            started = time.perf_counter()
-            group.train_shards(shards(window(model.vocab_size, version)))
-            steps.append(time.perf_counter() - started)
             started = time.perf_counter()
             published = publish_weights(group, version, include_base=lora is None)
             trainer_s = time.perf_counter() - started
@@ -104,7 +129,7 @@ def measure(name: str, fields: dict, model_dir: str, lora) -> dict:
             syncs.append((trainer_s, time.perf_counter() - started, load.num_bytes))
         return dict(sync_MB=syncs[0][2] / 1e6, trainer_s=statistics.median(s[0] for s in syncs),
                     ready_s=statistics.median(s[1] for s in syncs), step_s=statistics.median(steps),
-                    peak_MB=peak_rss_mb(group.actors[0]), first_sync_MB=first.num_bytes / 1e6)
+                    peak_MB=peak, state_MB=state, first_sync_MB=first.num_bytes / 1e6)
     finally:
         if engines is not None:
             engines.shutdown()
@@ -131,7 +156,7 @@ def main() -> None:
             rows.append((name, full, adapter))
     finally:
         ray.shutdown()
-    keys = ("sync_MB", "trainer_s", "ready_s", "step_s", "peak_MB")
+    keys = ("sync_MB", "trainer_s", "ready_s", "step_s", "peak_MB", "state_MB")
     print(f"{'model':>6} {'way':>5} " + " ".join(f"{k:>10}" for k in keys) + f" {'first_sync_MB':>14}")
     for name, full, adapter in rows:
         for way, row in (("full", full), ("lora", adapter)):

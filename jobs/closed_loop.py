@@ -138,24 +138,34 @@ class ClosedLoop:
     """With LoRA (object store): the publish that carried the frozen base (the first); a replacement engine loads
     it before `published`, which carries the adapter alone."""
     adapter: str | None = None
-    """With LoRA, the adapter this loop's publishes carry (train.lora's `policy`, or its tenant's); every publish
-    after the first carries it alone."""
+    """With LoRA, the adapter this loop's publishes carry and its producers sample with (train.lora's `policy`, or
+    its tenant's); every publish after the first carries it alone."""
+    owns_engines: bool = True
+    """False for a multi-LoRA tenant's loop: the engines are the job's, shared by every tenant (jobs/tenants.py);
+    the loop neither watches nor shuts them down."""
+    producer_name: str = PRODUCER_NAME
+    """Actor name of producer i ({} = i); a tenant's producers carry its name."""
     engine_watch: object = None
     """The EngineWatch (jobs/engine_watch.py) that replaces dead or hung engines; None without engines."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     """Orders a publish and an engine replacement (the watch's thread) against each other."""
 
     @classmethod
-    def launch(cls, config, scheduler, *, policy_version: int,
-               cursors: list[dict | None] | None = None) -> "ClosedLoop":
+    def launch(cls, config, scheduler, *, policy_version: int, cursors: list[dict | None] | None = None,
+               tenant: str | None = None, engines: RolloutEnginePool | None = None) -> "ClosedLoop":
         """The engines' processes start (closed_loop.enabled) from `engine_start_dir`, serving from
         `policy_version` once it is loaded, and the producers' actors are created, pushing to `scheduler`
         once `start` runs them (producer i from `cursors[i]`, its saved `cursor()`, when given). Returns
-        without waiting for either, so they start while the train group does. `config` is the JobConfig."""
+        without waiting for either, so they start while the train group does. `config` is the JobConfig.
+        A multi-LoRA tenant's loop: `tenant` names its adapter, `engines` are the job's shared pool."""
         loop_config = config.closed_loop
         prompts = prompt_spec(config)  # a dataset that cannot be read fails before anything starts
         if not loop_config.enabled:
             loop = cls(engines=None, prompts=prompts)
+        elif tenant is not None:
+            loop = cls(engines=engines, prompts=prompts, weight_sync=loop_config.weight_sync, adapter=tenant,
+                       owns_engines=False, producer_name=f"vgbs-producer-{tenant}-{{}}", policy_version=policy_version,
+                       replacement_timeout_s=loop_config.engines.startup_timeout_s + 60)
         else:
             adapters = tuple((name, adapter.lora) for name, adapter in config.train.adapters.items())
             engines = RolloutEnginePool(replace(loop_config.engines, lora_adapters=adapters),
@@ -205,7 +215,7 @@ class ClosedLoop:
                 self._collect_loads()
             self.producers = [(actor, actor.run.remote()) for actor in self.launched_producers]
             self.launched_producers = []
-            if self.engines is not None:
+            if self.engines is not None and self.owns_engines:
                 from jobs.engine_watch import EngineWatch
 
                 self.engine_watch = EngineWatch(self, max_replacements=config.run.max_failures,
@@ -233,9 +243,9 @@ class ClosedLoop:
     def _create_producer(self, index: int, cursor: dict | None):
         config, scheduler, prompts = self.producer_args
         # The engines as they are now: a handle of an engine that was replaced would hang a new producer's calls.
-        client = self.engines.client(self.replacement_timeout_s) if self.engines is not None else None
+        client = self.engines.client(self.replacement_timeout_s, self.adapter) if self.engines is not None else None
         return create_agent_producer(index, config, scheduler, client, prompts, cursor=cursor,
-                                     name=PRODUCER_NAME.format(index))
+                                     name=self.producer_name.format(index))
 
     def restart_producer(self, index: int, cursor: dict | None, timeout_s: float = 60.0) -> tuple:
         """Producer `index` again, from `cursor` (its cursor at the latest checkpoint: what it pushed since is
@@ -357,5 +367,5 @@ class ClosedLoop:
             self.engine_watch.stop()
         terminate([actor for actor, _ in self.producers] + self.launched_producers)
         self.producers, self.launched_producers = [], []
-        if self.engines is not None:
+        if self.engines is not None and self.owns_engines:
             self.engines.shutdown()

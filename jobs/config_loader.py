@@ -55,6 +55,10 @@ def config_from_mapping(cls: type, mapping: Mapping[str, Any] | None, where: str
         if nested is not None and isinstance(value, Mapping):
             nested_base = getattr(base, name) if base is not None else _field_default(fields[name])
             value = config_from_mapping(nested, value, f"{where}{name}.", nested_base)
+        elif nested is not None and isinstance(value, (list, tuple)):  # a list of sections (e.g. tenants)
+            value = tuple(item if dataclasses.is_dataclass(item) else
+                          config_from_mapping(nested, item, f"{where}{name}[{index}].")
+                          for index, item in enumerate(value))
         elif isinstance(value, list):
             value = tuple(value)
         elif isinstance(value, str) and float in (hints[name], *typing.get_args(hints[name])):

@@ -24,7 +24,7 @@ from typing import Literal
 from actors.rollout_engine import EngineConfig
 from actors.weight_sync import WeightSyncConfig
 from vgbs_ray.scheduler_types import SchedulerConfig
-from actors.train_config import LossConfig, ModelConfig, OptimizerConfig, TrainGroupConfig
+from actors.train_config import AdapterConfig, LossConfig, ModelConfig, OptimizerConfig, TrainGroupConfig
 from jobs.config_loader import apply_overrides, config_from_mapping, describe, load_yaml
 from jobs.tracking import LOGGER_NAMES
 from jobs.tracking_backends import MlflowConfig, TensorBoardConfig, WandbConfig
@@ -33,6 +33,7 @@ from vgbs_ray.agents import SamplingConfig
 from vgbs_ray.agents.tool_calls import FAMILY_PARSERS, ToolRequestError, check_parser_name
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.intake import IntakeConfig
+from vgbs_ray.lora import LoraConfig, check_adapter_name
 from vgbs_ray.lr_schedule import LRScheduleConfig
 from vgbs_ray.checkpoint_files import has_tokenizer
 from vgbs_ray.model_families import model_fields_from_hf_config
@@ -262,14 +263,49 @@ def _default_train() -> TrainGroupConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TenantConfig:
+    """One multi-LoRA tenant (docs/lora.md): its own adapter, optimizer, agent, prompts, global batch and steps over
+    the job's one base model, train group and engine pool. What it leaves unset it takes from the job's sections
+    (closed_loop, scheduler.batch, train.optimizer, run.num_steps)."""
+
+    name: str
+    """Letters, digits and underscores: names its adapter, its actors and its output directory."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    optimizer: OptimizerConfig | None = None
+    """Its adapter's optimizer and LR schedule (None: train.optimizer)."""
+    agent: str | None = None
+    agent_kwargs: dict | None = None
+    prompts: str | None = None
+    prompts_kwargs: dict | None = None
+    global_batch_size: int | None = None
+    """Its steps' size, in its own rollouts (None: scheduler.batch.global_batch_size)."""
+    num_steps: int | None = None
+    """Its optimizer steps (None: run.num_steps)."""
+    seed: int | None = None
+    """Its prompts' and sampling seed (None: closed_loop.seed + its index)."""
+
+    def __post_init__(self):
+        check_adapter_name(self.name)
+        for key in ("global_batch_size", "num_steps"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"tenants[{self.name}].{key} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
     closed_loop: ClosedLoopConfig = field(default_factory=ClosedLoopConfig)
     scheduler: SchedulerConfig = field(default_factory=_default_scheduler)
     train: TrainGroupConfig = field(default_factory=_default_train)
+    tenants: tuple[TenantConfig, ...] = ()
+    """Multi-LoRA tenants (docs/lora.md): each trains its own adapter on its own rollouts over the one base; the
+    job's sections are their defaults. Empty: one policy (train.lora or every weight)."""
 
     def __post_init__(self):
         check_schedule_configs(self.train.parallel_config, self.scheduler.batch)
+        if self.tenants:
+            self._check_tenants()
         model = self.train.model
         if self.closed_loop.enabled:
             self._check_closed_loop()
@@ -291,6 +327,44 @@ class JobConfig:
         if intake.max_sequence_length is not None and intake.max_sequence_length > model.max_position_embeddings:
             raise ConfigError(f"scheduler.intake.max_sequence_length={intake.max_sequence_length} exceeds "
                               f"train.model.max_position_embeddings={model.max_position_embeddings}")
+
+    def _check_tenants(self) -> None:
+        """What a multi-tenant job does not do (yet), refused by key; each tenant's own view must hold too."""
+        names = [tenant.name for tenant in self.tenants]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tenants: two tenants named alike: {names}")
+        refusals = {"train.lora": self.train.lora is not None, "run.resume": self.run.resume,
+                    "closed_loop.enabled=false": not self.closed_loop.enabled,
+                    "closed_loop.endpoint.enabled": self.closed_loop.endpoint.enabled}
+        refused = [key for key, set_ in refusals.items() if set_]
+        if refused:
+            raise ConfigError(f"tenants: {refused} are not supported with tenants (each tenant has its own "
+                              "tenants[i].lora; resume and endpoint agents are single-policy for now, docs/lora.md)")
+        for index in range(len(self.tenants)):
+            self.tenant_view(index)  # each tenant's batch, prompts and agent pass the single-job checks
+
+    def tenant_view(self, index: int) -> "JobConfig":
+        """The job as tenant `index` sees it: its agent, prompts, batch, steps and seed in the job's sections; the
+        train group trains every tenant's adapter (jobs/tenants.py)."""
+        tenant = self.tenants[index]
+        loop = self.closed_loop
+        loop = replace(loop, agent=tenant.agent or loop.agent,
+                       agent_kwargs=loop.agent_kwargs if tenant.agent_kwargs is None else tenant.agent_kwargs,
+                       prompts=tenant.prompts or loop.prompts,
+                       prompts_kwargs=loop.prompts_kwargs if tenant.prompts_kwargs is None else tenant.prompts_kwargs,
+                       seed=loop.seed + index if tenant.seed is None else tenant.seed)
+        batch = replace(self.scheduler.batch, global_batch_size=tenant.global_batch_size
+                        or self.scheduler.batch.global_batch_size)
+        run = replace(self.run, num_steps=tenant.num_steps or self.run.num_steps,
+                      output_dir=os.path.join(self.run.output_dir, "tenants", tenant.name))
+        return replace(self, run=run, closed_loop=loop, scheduler=replace(self.scheduler, batch=batch),
+                       train=self.train_with_tenants(), tenants=())
+
+    def train_with_tenants(self) -> TrainGroupConfig:
+        """The train group of a multi-tenant job: one adapter per tenant, each with its optimizer."""
+        return replace(self.train, tenant_adapters=tuple(
+            AdapterConfig(name=t.name, lora=t.lora, optimizer=t.optimizer or self.train.optimizer)
+            for t in self.tenants))
 
     def _check_no_engines(self) -> None:
         """closed_loop.enabled=false turns the rollout engines off: an agent that samples them cannot run."""

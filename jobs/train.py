@@ -137,6 +137,10 @@ def train(config: JobConfig, records_path: str, on_event=None) -> dict:
     `on_event(event, step, controller)`, if given, is called with "step_started" before each step
     and "step_trained" after its record is written (step: the run's global step; for tests and tools).
     """
+    if config.tenants:  # multi-LoRA: one adapter per tenant over one base (jobs/tenants.py)
+        from jobs.tenants import train_tenants
+
+        return train_tenants(config)
     job = Job(config, records_path, on_event)
     try:
         job.build()
@@ -388,10 +392,15 @@ def main(argv: list[str] | None = None) -> int:
     print("summary: " + json.dumps(summary), flush=True)
     with open(os.path.join(out, "summary.json"), "w") as handle:
         json.dump(summary, handle, indent=2)
-    if config.run.plot and os.path.exists(records_path):
+    if config.run.plot and os.path.exists(records_path) and not config.tenants:
         plot_records(read_records(records_path), os.path.join(out, "steps.png"))
         print(f"plot: {os.path.join(out, 'steps.png')}", flush=True)
-    failure = input_failure(summary, config.run.num_steps)
+    if config.tenants:
+        from jobs.tenants import tenants_failure
+
+        failure = tenants_failure(summary)
+    else:
+        failure = input_failure(summary, config.run.num_steps)
     if failure is not None:  # the summary and records are written: the run's outputs say what happened
         raise JobFailedError(failure)
     return 0

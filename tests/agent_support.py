@@ -74,3 +74,32 @@ def make_flaky_agent(fail_every: int):
         return await digit_agent(row, ctx)
 
     return agent
+
+
+def make_repeated_agent(samples: int = 4):
+    """The digit agent's first turn asked `samples` times in one rollout, each in a chat of its own (one sample
+    each): rollouts of `samples` samples, rewarded by the share answered right (multi-LoRA fairness tests)."""
+    from examples.digit_agent import RULES
+    from vgbs_ray.agents import AgentResult, SamplingConfig
+
+    one_token = SamplingConfig(max_tokens=1, temperature=1.0)
+
+    async def agent(row, ctx):
+        digits = [int(d) for d in row["digits"]]
+        expected = str(RULES["successor_of_last"](digits))
+        right = 0
+        for _ in range(samples):
+            chat = ctx.chat([{"role": "user", "content": " ".join(map(str, digits))}])
+            right += (await chat.generate(one_token)).strip() == expected
+        return AgentResult(reward=right / samples)
+
+    return agent
+
+
+def make_failing_agent():
+    """An agent that raises on every rollout (a tenant whose agent is broken)."""
+
+    async def agent(row, ctx):
+        raise RuntimeError(f"broken agent on {ctx.group_id}")
+
+    return agent

@@ -1,0 +1,224 @@
+"""A multi-LoRA job: several tenants train their own adapters over one base, one train group and one engine pool.
+
+    python -m jobs.train --config my_tenants.yaml      # a JobConfig with `tenants:` (docs/lora.md)
+
+Each tenant is a job of its own on the rollout side: its `JobConfig.tenant_view` (agent, prompts, global batch
+in its own rollouts, steps, seed), its SchedulerActor (`vgbs-scheduler-<name>`: its steps are formed from its
+rollouts only and laid out on the rollout side, so a micro-batch never mixes adapters), its producers
+(`vgbs-producer-<name>-i`, sampling with its adapter through the shared engines) and its policy versions (the
+steps it trained). The train side is shared: one TrainGroup holds every tenant's adapter with its own optimizer
+and LR schedule (`TrainGroupConfig.tenant_adapters`), and a step trains the adapter of the tenant whose step it is.
+
+Which tenant's step comes next: round robin over the tenants whose next step is ready (every tenant's next
+`get_step` is asked for at once; of those answered, the one that trained least recently goes). A tenant whose
+rollouts carry 4x the samples gets no more steps for it: steps are counted in each tenant's rollouts, and a ready
+tenant waits at most one round. A tenant whose step does not come within `run.shard_timeout_s` (its agent fails
+everywhere, its prompts ended) ends alone; the others go on. The summary reports per tenant its steps, rollouts
+per step, trainer time share and engine share (tokens sampled), and its adapter is written as PEFT files to
+`<output_dir>/adapters/<name>/` at the end.
+
+Not yet: checkpoints and resume (`run.resume` is refused with tenants), recovery of a failed train rank or engine
+(either fails the job), the endpoint. Each is the single-policy job's machinery applied per tenant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+from actors.rollout_engine import RolloutEnginePool
+from actors.scheduler_actor import create_scheduler
+from actors.shutdown import terminate
+from actors.train_group import TrainGroup
+from jobs.closed_loop import ClosedLoop, engine_start_dir
+from jobs.producer_watch import ProducerWatch, stop_producers
+from jobs.progress import StepLine, StepRecorder
+from jobs.recovery import job_scheduler_config
+from jobs.summary import closed_loop_summary, producers_outcome, step_line, summarize
+
+log = logging.getLogger("vgbs.job")
+
+
+@dataclass
+class Tenant:
+    """One tenant's rollout side and its progress in the run."""
+
+    name: str
+    config: object
+    """Its JobConfig view (`JobConfig.tenant_view`)."""
+    scheduler: object
+    loop: ClosedLoop
+    watch: ProducerWatch | None = None
+    recorder: StepRecorder | None = None
+    next_step: int = 0
+    lines: list[StepLine] = field(default_factory=list)
+    trainer_s: float = 0.0
+    outcome: str = "running"
+    """running, then finished (its steps or its input ended) or failed: <why>."""
+
+
+def round_robin_choice(order: list[str], ready: set[str]) -> str | None:
+    """The tenant to train next: the first of `order` (least recently trained first) with a ready step."""
+    return next((name for name in order if name in ready), None)
+
+
+class TenantJob:
+    """build, run, close (as jobs.train.Job), for `config.tenants` (see module docstring)."""
+
+    def __init__(self, config):
+        self.config = config
+        self.engines = self.group = None
+        self.tenants: list[Tenant] = []
+
+    def build(self) -> None:
+        config = self.config
+        train = config.train_with_tenants()
+        adapters = tuple((name, adapter.lora) for name, adapter in train.adapters.items())
+        self.engines = RolloutEnginePool(dataclasses.replace(config.closed_loop.engines, lora_adapters=adapters),
+                                         engine_start_dir(config), policy_version=0, wait=False)
+        for index, tenant in enumerate(config.tenants):
+            view = config.tenant_view(index)
+            scheduler = create_scheduler(job_scheduler_config(view), name=f"vgbs-scheduler-{tenant.name}")
+            loop = ClosedLoop.launch(view, scheduler, policy_version=0, tenant=tenant.name, engines=self.engines)
+            self.tenants.append(Tenant(tenant.name, view, scheduler, loop))
+        self.group = TrainGroup(train)
+        for tenant in self.tenants:
+            self.group.register_with(tenant.scheduler)
+        for tenant in self.tenants:  # its adapter (the base with the first) to the engines, then its producers run
+            tenant.loop.start(tenant.config, self.group)
+            tenant.watch = ProducerWatch(tenant.scheduler, tenant.loop.producers)
+            tenant.watch.start()
+            if "jsonl" in config.run.loggers:
+                tenant.recorder = StepRecorder(os.path.join(tenant.config.run.output_dir, "steps.jsonl"), append=False)
+        print(f"tenants: {', '.join(t.name for t in self.tenants)} over one base, "
+              f"{config.closed_loop.engines.num_engines} rollout engine(s)", flush=True)
+
+    def run(self) -> dict:
+        started = time.monotonic()
+        pending = {tenant.name: self._ask(tenant) for tenant in self.tenants}
+        order = [tenant.name for tenant in self.tenants]
+        by_name = {tenant.name: tenant for tenant in self.tenants}
+        while pending:
+            refs = list(pending.values())
+            ray.wait(refs, num_returns=1)
+            answered, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            name = round_robin_choice(order, {n for n, ref in pending.items() if ref in answered})
+            order.remove(name)
+            order.append(name)
+            tenant = by_name[name]
+            if self._train(tenant, pending.pop(name)) and tenant.next_step < tenant.config.run.num_steps:
+                pending[name] = self._ask(tenant)
+            elif tenant.outcome == "running":
+                tenant.outcome = "finished"
+                _stop_producers(tenant)
+        return self._summary(time.monotonic() - started)
+
+    def _ask(self, tenant: Tenant):
+        return tenant.scheduler.get_step.remote(tenant.next_step, timeout_s=self.config.run.shard_timeout_s)
+
+    def _train(self, tenant: Tenant, answer) -> bool:
+        """Train the tenant's answered step; False when it has no more (input ended, or it failed)."""
+        step = tenant.next_step
+        try:
+            refs = ray.get(answer)
+        except ray.exceptions.RayTaskError as error:  # no step within run.shard_timeout_s: this tenant ends alone
+            tenant.outcome = f"failed: step {step} did not come: {error.cause!r}"
+            log.error("tenant %s: %s; the other tenants go on", tenant.name, tenant.outcome)
+            _stop_producers(tenant, timeout_s=30)
+            return False
+        if refs is None:
+            return False
+        result = self.group.train_refs(step, tenant.scheduler, refs, wait_s=self.config.run.shard_timeout_s,
+                                       adapter=tenant.name)
+        record = ray.get(tenant.scheduler.step_record.remote(step), timeout=60)
+        sync_s = tenant.loop.publish(self.group, step + 1)
+        line = dataclasses.replace(step_line(result, record), policy_version=step, weight_sync_s=sync_s,
+                                   sampled_reward=tenant.loop.drain_sampled_reward())
+        tenant.lines.append(line)
+        tenant.trainer_s += result.step_time_s
+        tenant.next_step = step + 1
+        if "console" in self.config.run.loggers:
+            print(f"[{tenant.name}] {line.text()}", flush=True)
+        if tenant.recorder is not None:
+            tenant.recorder.write(line)
+        return True
+
+    def _summary(self, elapsed_s: float) -> dict:
+        for tenant in self.tenants:
+            _stop_producers(tenant)
+        usage = self.engines.utilization()
+        tokens = {tenant.name: sum(u.response_tokens_by_adapter.get(tenant.name, 0) for u in usage)
+                  for tenant in self.tenants}
+        trainer_total = sum(t.trainer_s for t in self.tenants) or 1.0
+        token_total = sum(tokens.values()) or 1
+        per_tenant = {}
+        for tenant in self.tenants:
+            ray.get(tenant.scheduler.drop_untrained.remote(tenant.next_step), timeout=60)
+            stats = ray.get(tenant.scheduler.stats.remote(check_ledger=True), timeout=60)
+            per_tenant[tenant.name] = {
+                "outcome": tenant.outcome,
+                **summarize(stats, tenant.lines, elapsed_s),
+                "producers": producers_outcome([tenant.watch]),
+                "closed_loop": closed_loop_summary(tenant.lines, tenant.watch.reports, tenant.loop, stats=stats,
+                                                   elapsed_s=elapsed_s),
+                "trainer_time_share": round(tenant.trainer_s / trainer_total, 3),
+                "engine_token_share": round(tokens[tenant.name] / token_total, 3),
+                "samples_per_rollout": round(sum(line.num_samples for line in tenant.lines)
+                                             / max(sum(line.num_rollouts for line in tenant.lines), 1), 3),
+            }
+        adapters = self.group.save_adapters(os.path.join(self.config.run.output_dir, "adapters"))
+        rollouts = sum(s["rollouts_trained"] for s in per_tenant.values())
+        return {"tenants": per_tenant, "adapters": adapters, "elapsed_s": round(elapsed_s, 2),
+                "rollouts_trained": rollouts, "rollouts_per_s": round(rollouts / elapsed_s, 3) if elapsed_s else None,
+                "steps_by_tenant": {name: s["steps"] for name, s in per_tenant.items()}}
+
+    def close(self) -> None:
+        for tenant in self.tenants:
+            if tenant.recorder is not None:
+                tenant.recorder.close()
+                tenant.recorder = None
+            _stop_producers(tenant, timeout_s=10)
+            tenant.loop.shutdown()
+        if self.engines is not None:
+            self.engines.shutdown()
+        if self.group is not None:
+            self.group.shutdown()
+        for tenant in self.tenants:
+            try:
+                ray.get(tenant.scheduler.close.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+            terminate([tenant.scheduler])
+
+
+def _stop_producers(tenant: Tenant, timeout_s: float = 60.0) -> None:
+    """The tenant's producers stop (once) and its input is closed; the other tenants' go on."""
+    if tenant.loop.producers:
+        stop_producers(tenant.loop.producers, tenant.watch, timeout_s=timeout_s)
+        tenant.loop.producers.clear()
+
+
+def train_tenants(config) -> dict:
+    """Run a multi-tenant job on an initialised Ray; returns its summary."""
+    job = TenantJob(config)
+    try:
+        job.build()
+        return job.run()
+    finally:
+        job.close()
+
+
+def tenants_failure(summary: dict) -> str | None:
+    """Why a multi-tenant run failed although it ended: every tenant failed."""
+    outcomes = {name: tenant["outcome"] for name, tenant in summary["tenants"].items()}
+    if all(outcome.startswith("failed") for outcome in outcomes.values()):
+        return f"every tenant failed: {outcomes}"
+    return None
+
+
+__all__ = ["TenantJob", "round_robin_choice", "tenants_failure", "train_tenants"]
