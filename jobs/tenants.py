@@ -17,8 +17,9 @@ everywhere, its prompts ended) ends alone; the others go on. The summary reports
 per step, trainer time share and engine share (tokens sampled), and its adapter is written as PEFT files to
 `<output_dir>/adapters/<name>/` at the end.
 
-Not yet: checkpoints and resume (`run.resume` is refused with tenants), recovery of a failed train rank or engine
-(either fails the job), the endpoint. Each is the single-policy job's machinery applied per tenant.
+Not yet: checkpoints (none are taken; `run.resume` is refused with tenants), recovery (a dead train rank fails
+the job; a dead engine is not replaced), the endpoint. Each is the single-policy job's machinery applied per
+tenant.
 """
 
 from __future__ import annotations

@@ -265,3 +265,30 @@ def test_a_hold_for_slow_rollouts_as_long_as_the_shard_timeout_is_refused_naming
     with pytest.raises(ConfigError, match=r"scheduler.max_hold_s=120.0 s .*run.shard_timeout_s=120.0 s"):
         load_job_config(None, ["scheduler.max_hold_s=120.0"])
     assert load_job_config().scheduler.max_hold_s < load_job_config().run.shard_timeout_s
+
+
+def test_tenants_take_the_jobs_sections_as_defaults_and_refuse_what_they_cannot_do():
+    config = load_job_config(None, ["run.num_steps=7", "tenants=[{name: a}, {name: b, global_batch_size: 16, "
+                                    "num_steps: 3, agent: 'm:f', lora: {rank: 4}}]"])
+    a, b = config.tenant_view(0), config.tenant_view(1)
+    assert (a.run.num_steps, a.scheduler.batch.global_batch_size, a.closed_loop.agent) == (
+        7, config.scheduler.batch.global_batch_size, config.closed_loop.agent)
+    assert (b.run.num_steps, b.scheduler.batch.global_batch_size, b.closed_loop.agent) == (3, 16, "m:f")
+    assert a.closed_loop.seed != b.closed_loop.seed and a.run.output_dir.endswith("tenants/a")
+    assert [(t.name, t.lora.rank) for t in a.train.tenant_adapters] == [("a", 8), ("b", 4)]
+    for extra, key in ((["run.resume=true"], "run.resume"), (["train.lora.rank=8"], "train.lora"),
+                       (["closed_loop.endpoint.enabled=true"], "closed_loop.endpoint.enabled")):
+        with pytest.raises(ConfigError, match=rf"\['{key}'\] are not supported with tenants"):
+            load_job_config(None, ["tenants=[{name: a}]", *extra])
+    with pytest.raises(ConfigError, match=r"two tenants named alike: \['a', 'a'\]"):
+        load_job_config(None, ["tenants=[{name: a}, {name: a}]"])
+    with pytest.raises(ConfigError, match=r"tenants\[b\].global_batch_size must be an integer >= 1, got 0"):
+        load_job_config(None, ["tenants=[{name: a}, {name: b, global_batch_size: 0}]"])
+
+
+def test_round_robin_goes_to_the_least_recently_trained_tenant_with_a_ready_step():
+    from jobs.tenants import round_robin_choice
+
+    assert round_robin_choice(["a", "b", "c"], {"b", "c"}) == "b"
+    assert round_robin_choice(["c", "a", "b"], {"a", "b", "c"}) == "c"
+    assert round_robin_choice(["a", "b"], set()) is None
