@@ -43,8 +43,9 @@ from vgbs_ray.errors import ConfigError
 from vgbs_ray.resume import ledger_record
 
 __all__ = [
-    "ResumePoint", "checkpoint_next_step", "checkpoint_root", "latest_checkpoint",
-    "ledger_record", "load_job_state", "load_resume_point", "producer_cursors", "save_job_state",
+    "ResumePoint", "checkpoint_next_step", "checkpoint_root", "latest_checkpoint", "ledger_record", "load_job_state",
+    "load_resume_point", "mark_latest", "producer_cursors", "save_job_json", "save_job_state", "save_rollout_state",
+    "save_train_state",
 ]
 
 CURSOR_TIMEOUT_S = 30.0
@@ -77,18 +78,40 @@ def save_job_state(output_dir: str, next_step: int, group, scheduler, cursors: C
     `cursors()` returns the producers' cursors; it is called before the scheduler's state is taken.
     Every step < next_step must be trained (acknowledged by every rank)."""
     path = os.path.join(checkpoint_root(output_dir), f"step_{next_step:06d}")
+    state = save_rollout_state(path, next_step, scheduler, cursors)
+    save_train_state(path, group)
+    save_job_json(path, state, next_step)
+    mark_latest(output_dir, path)
+    return path
+
+
+def save_rollout_state(path: str, next_step: int, scheduler, cursors: Callable[[], list] = list) -> SchedulerState:
+    """The rollout side of a checkpoint in `path`: the producers' cursors (taken FIRST: see the module docstring),
+    then the scheduler's state at `next_step`; returns that state."""
     os.makedirs(path, exist_ok=True)
-    taken = cursors()  # FIRST: see the module docstring
+    taken = cursors()
     state = ray.get(scheduler.export_state.remote(next_step), timeout=60)
     _write_json(os.path.join(path, "producers.json"), {"cursors": taken})
     _write_bytes(os.path.join(path, "scheduler.pkl"), pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
+    return state
+
+
+def save_train_state(path: str, group) -> None:
+    """The train group's files in `path`, and with LoRA its adapters as PEFT files (`adapter/`: docs/lora.md)."""
     group.save_checkpoint(path)
-    if group.config.adapters:  # the adapters as people load them (peft, vLLM): docs/lora.md
+    if group.config.adapters:
         group.save_adapters(os.path.join(path, "adapter"))
+
+
+def mark_latest(output_dir: str, path: str) -> None:
+    """`latest` names `path`: written last, so a crash mid-save leaves the previous checkpoint current."""
+    _write_text(os.path.join(checkpoint_root(output_dir), "latest"), os.path.basename(path))
+
+
+def save_job_json(path: str, state: SchedulerState, next_step: int) -> None:
+    """The checkpoint's ledger record (for people) and job.json (the step a resume continues at)."""
     _write_json(os.path.join(path, "ledger.json"), ledger_record(state))
     _write_json(os.path.join(path, "job.json"), {"next_step": next_step, "policy_version": state.policy_version})
-    _write_text(os.path.join(checkpoint_root(output_dir), "latest"), os.path.basename(path))
-    return path
 
 
 def latest_checkpoint(output_dir: str) -> str | None:

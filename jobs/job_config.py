@@ -277,6 +277,8 @@ class TenantConfig:
     agent_kwargs: dict | None = None
     prompts: str | None = None
     prompts_kwargs: dict | None = None
+    num_prompts: int | None = None
+    """Prompt positions it answers (None: closed_loop.num_prompts)."""
     global_batch_size: int | None = None
     """Its steps' size, in its own rollouts (None: scheduler.batch.global_batch_size)."""
     num_steps: int | None = None
@@ -286,7 +288,7 @@ class TenantConfig:
 
     def __post_init__(self):
         check_adapter_name(self.name)
-        for key in ("global_batch_size", "num_steps"):
+        for key in ("num_prompts", "global_batch_size", "num_steps"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"tenants[{self.name}].{key} must be an integer >= 1, got {value!r}")
@@ -333,13 +335,13 @@ class JobConfig:
         names = [tenant.name for tenant in self.tenants]
         if len(set(names)) != len(names):
             raise ConfigError(f"tenants: two tenants named alike: {names}")
-        refusals = {"train.lora": self.train.lora is not None, "run.resume": self.run.resume,
+        refusals = {"train.lora": self.train.lora is not None,
                     "closed_loop.enabled=false": not self.closed_loop.enabled,
                     "closed_loop.endpoint.enabled": self.closed_loop.endpoint.enabled}
         refused = [key for key, set_ in refusals.items() if set_]
         if refused:
             raise ConfigError(f"tenants: {refused} are not supported with tenants (each tenant has its own "
-                              "tenants[i].lora; resume and endpoint agents are single-policy for now, docs/lora.md)")
+                              "tenants[i].lora; endpoint agents are single-policy for now, docs/lora.md)")
         for index in range(len(self.tenants)):
             self.tenant_view(index)  # each tenant's batch, prompts and agent pass the single-job checks
 
@@ -352,6 +354,7 @@ class JobConfig:
                        agent_kwargs=loop.agent_kwargs if tenant.agent_kwargs is None else tenant.agent_kwargs,
                        prompts=tenant.prompts or loop.prompts,
                        prompts_kwargs=loop.prompts_kwargs if tenant.prompts_kwargs is None else tenant.prompts_kwargs,
+                       num_prompts=loop.num_prompts if tenant.num_prompts is None else tenant.num_prompts,
                        seed=loop.seed + index if tenant.seed is None else tenant.seed)
         batch = replace(self.scheduler.batch, global_batch_size=tenant.global_batch_size
                         or self.scheduler.batch.global_batch_size)

@@ -17,9 +17,12 @@ everywhere, its prompts ended) ends alone; the others go on. The summary reports
 per step, trainer time share and engine share (tokens sampled), and its adapter is written as PEFT files to
 `<output_dir>/adapters/<name>/` at the end.
 
-Not yet: checkpoints (none are taken; `run.resume` is refused with tenants), recovery (a dead train rank fails
-the job; a dead engine is not replaced), the endpoint. Each is the single-policy job's machinery applied per
-tenant.
+Checkpoints (every `run.checkpoint_every` steps over all tenants, and at the end): `checkpoints/step_N/` holds the
+train group's files (every adapter, each tenant's optimizer state and consumed rollouts), `adapter/<name>/`, and
+per tenant `tenants/<name>/` (its producers' cursors, taken first, its scheduler's state, ledger and next step).
+`run.resume=true` restores each tenant's scheduler and producers from there and the train group from its files:
+exactly once per tenant, as the single-policy job (jobs/checkpoint.py). Not yet: recovery inside a run (a dead
+train rank fails the job; a dead engine is not replaced), the endpoint.
 """
 
 from __future__ import annotations
@@ -36,10 +39,11 @@ from actors.rollout_engine import RolloutEnginePool
 from actors.scheduler_actor import create_scheduler
 from actors.shutdown import terminate
 from actors.train_group import TrainGroup
+from jobs.checkpoint import (checkpoint_root, latest_checkpoint, load_resume_point, mark_latest, producer_cursors,
+                             save_job_json, save_rollout_state, save_train_state)
 from jobs.closed_loop import ClosedLoop, engine_start_dir
 from jobs.producer_watch import ProducerWatch, stop_producers
 from jobs.progress import StepLine, StepRecorder
-from jobs.recovery import job_scheduler_config
 from jobs.summary import closed_loop_summary, producers_outcome, step_line, summarize
 
 log = logging.getLogger("vgbs.job")
@@ -57,6 +61,8 @@ class Tenant:
     watch: ProducerWatch | None = None
     recorder: StepRecorder | None = None
     next_step: int = 0
+    cursors: list = field(default_factory=list)
+    """Its producers' cursors at the latest checkpoint (or the one resumed from)."""
     lines: list[StepLine] = field(default_factory=list)
     trainer_s: float = 0.0
     outcome: str = "running"
@@ -82,12 +88,25 @@ class TenantJob:
         adapters = tuple((name, adapter.lora) for name, adapter in train.adapters.items())
         self.engines = RolloutEnginePool(dataclasses.replace(config.closed_loop.engines, lora_adapters=adapters),
                                          engine_start_dir(config), policy_version=0, wait=False)
+        resume_from = latest_checkpoint(config.run.output_dir) if config.run.resume else None
         for index, tenant in enumerate(config.tenants):
             view = config.tenant_view(index)
-            scheduler = create_scheduler(job_scheduler_config(view), name=f"vgbs-scheduler-{tenant.name}")
-            loop = ClosedLoop.launch(view, scheduler, policy_version=0, tenant=tenant.name, engines=self.engines)
-            self.tenants.append(Tenant(tenant.name, view, scheduler, loop))
+            point = load_resume_point(tenant_checkpoint(resume_from, tenant.name)) if resume_from else None
+            # No recovery here: the scheduler settles each step as it trains (nothing retained for a rewind).
+            scheduler = create_scheduler(view.scheduler_with_model_limits(), name=f"vgbs-scheduler-{tenant.name}",
+                                         restore=point.scheduler_state if point else None)
+            first = point.next_step if point else 0
+            cursors = point.cursors if point else None
+            loop = ClosedLoop.launch(view, scheduler, policy_version=first, tenant=tenant.name, engines=self.engines,
+                                     cursors=cursors)
+            self.tenants.append(Tenant(tenant.name, view, scheduler, loop, next_step=first,
+                                       cursors=list(cursors or [])))
         self.group = TrainGroup(train)
+        if resume_from is not None:
+            self.group.load_checkpoint(resume_from)
+            print(f"resumed from {resume_from}: " + ", ".join(f"{t.name} at step {t.next_step}" for t in self.tenants),
+                  flush=True)
+        self.resumed = resume_from is not None
         for tenant in self.tenants:
             self.group.register_with(tenant.scheduler)
         for tenant in self.tenants:  # its adapter (the base with the first) to the engines, then its producers run
@@ -95,15 +114,19 @@ class TenantJob:
             tenant.watch = ProducerWatch(tenant.scheduler, tenant.loop.producers)
             tenant.watch.start()
             if "jsonl" in config.run.loggers:
-                tenant.recorder = StepRecorder(os.path.join(tenant.config.run.output_dir, "steps.jsonl"), append=False)
+                tenant.recorder = StepRecorder(os.path.join(tenant.config.run.output_dir, "steps.jsonl"),
+                                               append=self.resumed)
         print(f"tenants: {', '.join(t.name for t in self.tenants)} over one base, "
               f"{config.closed_loop.engines.num_engines} rollout engine(s)", flush=True)
 
     def run(self) -> dict:
         started = time.monotonic()
-        pending = {tenant.name: self._ask(tenant) for tenant in self.tenants}
+        pending = {tenant.name: self._ask(tenant) for tenant in self.tenants
+                   if tenant.next_step < tenant.config.run.num_steps}
         order = [tenant.name for tenant in self.tenants]
         by_name = {tenant.name: tenant for tenant in self.tenants}
+        every = self.config.run.checkpoint_every
+        trained = 0
         while pending:
             refs = list(pending.values())
             ray.wait(refs, num_returns=1)
@@ -112,12 +135,38 @@ class TenantJob:
             order.remove(name)
             order.append(name)
             tenant = by_name[name]
-            if self._train(tenant, pending.pop(name)) and tenant.next_step < tenant.config.run.num_steps:
-                pending[name] = self._ask(tenant)
-            elif tenant.outcome == "running":
+            if self._train(tenant, pending.pop(name)):
+                trained += 1
+                if tenant.next_step < tenant.config.run.num_steps:
+                    pending[name] = self._ask(tenant)
+                if every and trained % every == 0:
+                    self._checkpoint()
+                if tenant.next_step < tenant.config.run.num_steps:
+                    continue
+            if tenant.outcome == "running":
                 tenant.outcome = "finished"
-                _stop_producers(tenant)
+            _stop_producers(tenant)
+        if trained:
+            self._checkpoint()
         return self._summary(time.monotonic() - started)
+
+    def _checkpoint(self) -> str:
+        """Every tenant's rollout side (its producers' cursors first, then its scheduler at its next step), then the
+        train group (every adapter, each tenant's optimizer and consumed rollouts); `latest` last. Taken between
+        two steps on this thread, so it is one consistent cut over the tenants."""
+        total = sum(tenant.next_step for tenant in self.tenants)
+        path = os.path.join(checkpoint_root(self.config.run.output_dir), f"step_{total:06d}")
+        for tenant in self.tenants:
+            def cursors(tenant=tenant):
+                tenant.cursors = producer_cursors(tenant.loop.producers, tenant.cursors)
+                return tenant.cursors
+
+            where = tenant_checkpoint(path, tenant.name)
+            save_job_json(where, save_rollout_state(where, tenant.next_step, tenant.scheduler, cursors),
+                          tenant.next_step)
+        save_train_state(path, self.group)
+        mark_latest(self.config.run.output_dir, path)
+        return path
 
     def _ask(self, tenant: Tenant):
         return tenant.scheduler.get_step.remote(tenant.next_step, timeout_s=self.config.run.shard_timeout_s)
@@ -132,7 +181,13 @@ class TenantJob:
             log.error("tenant %s: %s; the other tenants go on", tenant.name, tenant.outcome)
             _stop_producers(tenant, timeout_s=30)
             return False
-        if refs is None:
+        if refs is None:  # its input ended: by design once its steps are done, else its agent or prompts failed it
+            wanted = tenant.config.run.num_steps
+            if step < wanted:
+                _stop_producers(tenant)
+                failed = {reason: n for report in tenant.watch.reports for reason, n in report.failed_groups.items()}
+                tenant.outcome = f"failed: its input ended after {step} of {wanted} steps (failed groups: {failed})"
+                log.error("tenant %s: %s; the other tenants go on", tenant.name, tenant.outcome)
             return False
         result = self.group.train_refs(step, tenant.scheduler, refs, wait_s=self.config.run.shard_timeout_s,
                                        adapter=tenant.name)
@@ -195,6 +250,11 @@ class TenantJob:
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
             terminate([tenant.scheduler])
+
+
+def tenant_checkpoint(path: str, name: str) -> str:
+    """Where a tenant's rollout side lives in a multi-tenant checkpoint (its scheduler state, cursors, ledger)."""
+    return os.path.join(path, "tenants", name)
 
 
 def _stop_producers(tenant: Tenant, timeout_s: float = 60.0) -> None:

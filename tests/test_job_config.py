@@ -276,7 +276,7 @@ def test_tenants_take_the_jobs_sections_as_defaults_and_refuse_what_they_cannot_
     assert (b.run.num_steps, b.scheduler.batch.global_batch_size, b.closed_loop.agent) == (3, 16, "m:f")
     assert a.closed_loop.seed != b.closed_loop.seed and a.run.output_dir.endswith("tenants/a")
     assert [(t.name, t.lora.rank) for t in a.train.tenant_adapters] == [("a", 8), ("b", 4)]
-    for extra, key in ((["run.resume=true"], "run.resume"), (["train.lora.rank=8"], "train.lora"),
+    for extra, key in ((["train.lora.rank=8"], "train.lora"),
                        (["closed_loop.endpoint.enabled=true"], "closed_loop.endpoint.enabled")):
         with pytest.raises(ConfigError, match=rf"\['{key}'\] are not supported with tenants"):
             load_job_config(None, ["tenants=[{name: a}]", *extra])

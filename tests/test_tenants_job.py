@@ -1,10 +1,14 @@
-"""A multi-LoRA job (jobs/tenants.py): three tenants over one base, one train group and one engine pool.
+"""A multi-LoRA job (jobs/tenants.py): three tenants over one base, one train group and one engine pool, stopped
+after two steps each and resumed to three.
 
 `short` runs the digit agent (one sample per rollout), `long` asks each rollout's question four times (four
-samples per rollout), `broken` raises on every rollout. Checked: `short` and `long` each train their steps, each
-step counted in its own tenant's rollouts (16 each, whatever their samples), and neither gets more steps for its
-samples; `broken` ends alone, failed, while the others go on; each tenant's adapter is written as PEFT files
-that `peft` loads; the records name each tenant's own policy versions.
+samples per rollout, its own rank-4 adapter), `broken` raises on every rollout. Checked: `short` and `long` each
+train their steps, each step counted in its own tenant's rollouts (16 each, whatever their samples), neither
+gets more steps for its samples, and their records carry their own policy versions; `broken` ends alone, failed,
+naming why, while the others go on; each tenant's adapter is written as PEFT files that `peft` reads. Across
+the resume, exactly once per tenant: every step is recorded once, the steps the checkpoint held keep their
+rollouts, each trained rollout is in one step of the final ledger, and what the resumed producers sent again
+was rejected by a duplicate rule, nothing else.
 """
 
 from __future__ import annotations
@@ -16,33 +20,57 @@ import pytest
 from jobs.progress import read_records
 from jobs.train import main
 
-pytestmark = pytest.mark.slow  # engines, a train group and three tenants' producers: about a minute
+pytestmark = pytest.mark.slow  # engines, a train group and three tenants' producers, twice: about two minutes
 
-STEPS = 3
-TENANTS = ("[{name: short, num_steps: 3, global_batch_size: 16}, "
-           "{name: long, num_steps: 3, global_batch_size: 16, agent: 'tests.agent_support:make_repeated_agent', "
+TENANTS = ("[{name: short, global_batch_size: 16}, "
+           "{name: long, global_batch_size: 16, agent: 'tests.agent_support:make_repeated_agent', "
            "agent_kwargs: {samples: 4}, lora: {rank: 4, target_modules: [q_proj, v_proj]}}, "
-           "{name: broken, num_steps: 3, agent: 'tests.agent_support:make_failing_agent'}]")
+           "{name: broken, num_prompts: 2, agent: 'tests.agent_support:make_failing_agent'}]")
+DUPLICATE_RULES = {"already_scheduled", "already_complete", "already_dropped", "duplicate_sample"}
 
 
-def test_tenants_train_their_own_adapters_on_their_own_rollouts_and_a_broken_one_ends_alone(ray_session, tmp_path,
-                                                                                            capsys):
-    out = tmp_path / "run"
+def run_job(capsys, out, *extra: str) -> tuple[dict, str]:
     items = [f"run.output_dir={out}", "run.plot=false", "run.shard_timeout_s=30", "scheduler.max_hold_s=10",
-             f"tenants={TENANTS}"]
+             f"tenants={TENANTS}", *extra]
+    capsys.readouterr()
     assert main([a for item in items for a in ("--set", item)]) == 0
-    summary = json.loads((out / "summary.json").read_text())
+    return json.loads((out / "summary.json").read_text()), capsys.readouterr().out
+
+
+def trained_by_step(out, tenant: str) -> dict[int, set]:
+    checkpoints = out / "checkpoints"
+    ledger = json.loads((checkpoints / (checkpoints / "latest").read_text().strip() / "tenants" / tenant
+                         / "ledger.json").read_text())
+    steps: dict[int, set] = {}
+    for rollout, state in ledger["rollouts"].items():
+        if state[0] == "trained":
+            steps.setdefault(state[1], set()).add(rollout)
+    return steps
+
+
+def test_tenants_train_their_own_adapters_on_their_own_rollouts_across_a_resume(ray_session, tmp_path, capsys):
+    out = tmp_path / "run"
+    first, printed = run_job(capsys, out, "run.num_steps=2")
+    assert first["steps_by_tenant"] == {"short": 2, "long": 2, "broken": 0}
+    assert first["tenants"]["broken"]["outcome"].startswith("failed: its input ended after 0 of 2 steps")
+    assert "[short] step   0" in printed and "[long] step   1" in printed
+    held = {name: trained_by_step(out, name) for name in ("short", "long")}
+
+    summary, printed = run_job(capsys, out, "run.num_steps=3", "run.resume=true")
+    assert "resumed from" in printed and "short at step 2" in printed
     tenants = summary["tenants"]
     assert {name: t["outcome"] for name, t in tenants.items() if name != "broken"} == {"short": "finished",
                                                                                        "long": "finished"}
-    assert tenants["broken"]["outcome"].startswith("failed: step 0 did not come")
-    assert summary["steps_by_tenant"] == {"short": STEPS, "long": STEPS, "broken": 0}
+    assert tenants["broken"]["outcome"].startswith("failed: its input ended after 0 of 3 steps")
     for name in ("short", "long"):
-        assert tenants[name]["rollouts_per_step"] == [16] * STEPS  # counted in its own rollouts
         records = read_records(out / "tenants" / name / "steps.jsonl")
-        assert [r["step"] for r in records] == list(range(STEPS))
-        assert [r["policy_version"] for r in records] == list(range(STEPS))  # its own versions
-        assert tenants[name]["closed_loop"]["staleness_max"] <= 1
+        assert [r["step"] for r in records] == [0, 1, 2]  # each step once, across the resume
+        assert [r["policy_version"] for r in records] == [0, 1, 2]  # its own versions
+        assert [r["num_rollouts"] for r in records] == [16, 16, 16]  # counted in its own rollouts
+        final = trained_by_step(out, name)
+        assert sorted(final) == [0, 1, 2] and all(len(ids) == 16 for ids in final.values())
+        assert {step: final[step] for step in (0, 1)} == held[name]  # the checkpoint's steps kept their rollouts
+        assert set(tenants[name]["rejected_samples_by_rule"]) <= DUPLICATE_RULES
     assert tenants["long"]["samples_per_rollout"] == 4.0 and tenants["short"]["samples_per_rollout"] == 1.0
     assert tenants["long"]["engine_token_share"] > tenants["short"]["engine_token_share"]
 
@@ -50,5 +78,3 @@ def test_tenants_train_their_own_adapters_on_their_own_rollouts_and_a_broken_one
 
     assert sorted(p.split("/")[-1] for p in summary["adapters"]) == ["broken", "long", "short"]
     assert PeftConfig.from_pretrained(str(out / "adapters" / "long")).r == 4
-    printed = capsys.readouterr().out
-    assert "[short] step   0" in printed and "[long] step   2" in printed
