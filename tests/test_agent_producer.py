@@ -45,7 +45,7 @@ class StandInEngine:
         self.release.set()
         self.held = 0
 
-    async def generate(self, prompts, samplings) -> list[Generation]:
+    async def generate(self, prompts, samplings, adapter=None) -> list[Generation]:
         self.calls += 1
         if self.fail_after_calls is not None and self.calls > self.fail_after_calls:
             raise RuntimeError("stand-in engine failure")
@@ -64,12 +64,12 @@ class StandInEngine:
                                   policy_version=self.policy_version, finish_reason="length", engine="stand-in"))
         return out
 
-    async def generate_each(self, prompts, samplings):
+    async def generate_each(self, prompts, samplings, adapter=None):
         """As the engine's: (index, Generation) per request (here all finish together)."""
         for index, generation in enumerate(await self.generate(prompts, samplings)):
             yield index, generation
 
-    def current_policy_version(self) -> int:
+    def current_policy_version(self, adapter=None) -> int:
         return self.policy_version
 
     def waiting(self) -> int:
