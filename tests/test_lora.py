@@ -24,6 +24,7 @@ from vgbs_ray.schedule import build_dp_schedule
 from vgbs_ray.shard import build_step_shards
 
 LORA = LoraConfig(rank=4, alpha=8.0)
+ATTENTION_LORA = dataclasses.replace(LORA, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
 
 
 def random_adapters(trainer, seed: int, scale: float = 0.05) -> dict[str, np.ndarray]:
@@ -141,16 +142,17 @@ def test_a_lora_step_at_tp2_dp2_and_pp2_equals_the_step_at_one_rank(layout):
 
 # -- PEFT files --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("shape", ["llama3_tied", "qwen2", "qwen3_untied"])
+@pytest.mark.parametrize("shape", ["llama3_tied", "qwen2", "qwen3_untied", "qwen3_moe"])
 def test_the_adapter_files_load_in_peft_with_the_trainers_logits(tmp_path, shape):
     from peft import PeftModel
 
     hf_model = tiny_hf_model(tmp_path / "base", shape)
     model = model_config_for(tmp_path / "base")
-    trainer = inprocess_trainer(TrainGroupConfig(model=model, lora=LORA))
+    lora = LORA if model.num_experts is None else ATTENTION_LORA  # the experts take no adapters
+    trainer = inprocess_trainer(TrainGroupConfig(model=model, lora=lora))
     trainer.load_full_parameters(random_adapters(trainer, 3, scale=0.2))
     adapters = trainer.full_parameters(adapters=True)
-    save_peft_adapter(str(tmp_path / "adapter"), adapters, LORA, base_model_name(model))
+    save_peft_adapter(str(tmp_path / "adapter"), adapters, lora, base_model_name(model))
     tokens = [5, 17, 3, 60, 2, 9, 41, 7]
     trained = megatron_logits(trainer.megatron.chunks[0].module, tokens)
     with torch.no_grad():
@@ -164,7 +166,7 @@ def test_the_adapter_files_load_in_peft_with_the_trainers_logits(tmp_path, shape
     from actors.hf_checkpoint import read_hf_weights, write_hf_checkpoint
 
     hf = {name: t.numpy() for name, t in read_hf_weights(tmp_path / "base").items()}
-    merged = merge_into_hf_weights(hf, adapters, LORA)
+    merged = merge_into_hf_weights(hf, adapters, lora)
     write_hf_checkpoint(tmp_path / "merged", model, {name: torch.from_numpy(a) for name, a in merged.items()})
     from transformers import AutoModelForCausalLM
 
