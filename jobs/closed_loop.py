@@ -119,6 +119,9 @@ class ClosedLoop:
     """Engine loads not yet seen finished: (policy version, refs)."""
     load_times_s: list = field(default_factory=list)
     """Finished engine loads: (policy version, slowest engine's load time)."""
+    load_bytes: list = field(default_factory=list)
+    """Finished engine loads: (policy version, bytes one engine loaded; with LoRA the adapter alone after the
+    first)."""
     restored_versions: list = field(default_factory=list)
     """Versions published again after a recovery restored the train group (`restore`)."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
@@ -342,6 +345,7 @@ class ClosedLoop:
             try:
                 loads = ray.get(refs, timeout=10)
                 self.load_times_s.append((version, max(load.load_time_s for load in loads)))
+                self.load_bytes.append((version, max(load.num_bytes for load in loads)))
             except Exception as error:  # noqa: BLE001 - a dead engine is the engine watch's; others show in generate
                 log.warning("engine load of policy version %d failed: %r", version, error)
         self.loads = pending

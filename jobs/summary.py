@@ -117,6 +117,9 @@ def closed_loop_summary(trained: list[StepLine], reports: list, loop: ClosedLoop
         "weight_sync_s_mean": mean([line.weight_sync_s for line in trained]),
         "trainer_wait_s_total": round(sum(line.shard_wait_s or 0.0 for line in trained), 2),
         "engine_load_s_mean": mean([seconds for _, seconds in loop.load_times_s]),
+        # the first load carries the whole model; later ones, with LoRA, the adapter alone
+        "engine_load_mb_first": round(loop.load_bytes[0][1] / 1e6, 3) if loop.load_bytes else None,
+        "engine_load_mb_last": round(loop.load_bytes[-1][1] / 1e6, 3) if loop.load_bytes else None,
         "engine_idle_share": round(loop.engine_idle_share(), 3),
         "engines": engine_summaries(loop.engines.utilization()) if loop.engines is not None else [],
         "restored_versions": loop.restored_versions,
