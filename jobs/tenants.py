@@ -21,8 +21,12 @@ Checkpoints (every `run.checkpoint_every` steps over all tenants, and at the end
 train group's files (every adapter, each tenant's optimizer state and consumed rollouts), `adapter/<name>/`, and
 per tenant `tenants/<name>/` (its producers' cursors, taken first, its scheduler's state, ledger and next step).
 `run.resume=true` restores each tenant's scheduler and producers from there and the train group from its files:
-exactly once per tenant, as the single-policy job (jobs/checkpoint.py). Not yet: recovery inside a run (a dead
-train rank fails the job; a dead engine is not replaced), the endpoint.
+exactly once per tenant, as the single-policy job (jobs/checkpoint.py). A tenant's end is checkpointed too.
+
+Recovery: a failed train rank (dead, raised, hung) restarts the train group from the latest checkpoint, within
+`run.max_failures`; every running tenant's scheduler is rewound to its step there (it retained what trained since)
+and its engines' adapter goes back to that version; the producers go on. Not yet: a dead engine is not replaced
+(the tenants' steps stop coming and they end failed), a lost scheduler is not restored, the endpoint.
 """
 
 from __future__ import annotations
@@ -38,13 +42,15 @@ import ray
 from actors.rollout_engine import RolloutEnginePool
 from actors.scheduler_actor import create_scheduler
 from actors.shutdown import terminate
-from actors.train_group import TrainGroup
+from actors.train_group import TrainGroup, TrainStepError
 from jobs.checkpoint import (checkpoint_root, latest_checkpoint, load_resume_point, mark_latest, producer_cursors,
                              save_job_json, save_rollout_state, save_train_state)
 from jobs.closed_loop import ClosedLoop, engine_start_dir
 from jobs.producer_watch import ProducerWatch, stop_producers
 from jobs.progress import StepLine, StepRecorder
+from jobs.recovery import RECOVERABLE_ERRORS, JobFailedError, job_scheduler_config, retains_until_checkpoint
 from jobs.summary import closed_loop_summary, producers_outcome, step_line, summarize
+from vgbs_ray.failure_policy import FailureAction, FailureKind, FailureStatus, make_decision
 
 log = logging.getLogger("vgbs.job")
 
@@ -75,12 +81,20 @@ def round_robin_choice(order: list[str], ready: set[str]) -> str | None:
 
 
 class TenantJob:
-    """build, run, close (as jobs.train.Job), for `config.tenants` (see module docstring)."""
+    """build, run, close (as jobs.train.Job), for `config.tenants` (see module docstring).
 
-    def __init__(self, config):
-        self.config = config
+    `on_event(event, tenant, step, job)`, if given, is called with "step_started" before a tenant's step trains
+    and "step_trained" after its record is written (for tests: a kill at a known point, never a sleep)."""
+
+    def __init__(self, config, on_event=None):
+        self.config, self.on_event = config, on_event
         self.engines = self.group = None
         self.tenants: list[Tenant] = []
+        self.restore_path: str | None = None
+        """The latest checkpoint (or the one resumed from); None: a recovery restarts from the initial weights."""
+        self.restore_steps: dict[str, int] = {}
+        """Each tenant's next step in that checkpoint: a recovery rewinds it there."""
+        self.recoveries: list[dict] = []
 
     def build(self) -> None:
         config = self.config
@@ -92,8 +106,8 @@ class TenantJob:
         for index, tenant in enumerate(config.tenants):
             view = config.tenant_view(index)
             point = load_resume_point(tenant_checkpoint(resume_from, tenant.name)) if resume_from else None
-            # No recovery here: the scheduler settles each step as it trains (nothing retained for a rewind).
-            scheduler = create_scheduler(view.scheduler_with_model_limits(), name=f"vgbs-scheduler-{tenant.name}",
+            # With run.max_failures > 0 it retains trained rollouts until a checkpoint holds them (a recovery rewinds).
+            scheduler = create_scheduler(job_scheduler_config(view), name=f"vgbs-scheduler-{tenant.name}",
                                          restore=point.scheduler_state if point else None)
             first = point.next_step if point else 0
             cursors = point.cursors if point else None
@@ -101,14 +115,13 @@ class TenantJob:
                                      cursors=cursors)
             self.tenants.append(Tenant(tenant.name, view, scheduler, loop, next_step=first,
                                        cursors=list(cursors or [])))
-        self.group = TrainGroup(train)
+        self.restore_path = resume_from
+        self.restore_steps = {tenant.name: tenant.next_step for tenant in self.tenants}
+        self.group = self._new_group()
         if resume_from is not None:
-            self.group.load_checkpoint(resume_from)
             print(f"resumed from {resume_from}: " + ", ".join(f"{t.name} at step {t.next_step}" for t in self.tenants),
                   flush=True)
         self.resumed = resume_from is not None
-        for tenant in self.tenants:
-            self.group.register_with(tenant.scheduler)
         for tenant in self.tenants:  # its adapter (the base with the first) to the engines, then its producers run
             tenant.loop.start(tenant.config, self.group)
             tenant.watch = ProducerWatch(tenant.scheduler, tenant.loop.producers)
@@ -121,8 +134,7 @@ class TenantJob:
 
     def run(self) -> dict:
         started = time.monotonic()
-        pending = {tenant.name: self._ask(tenant) for tenant in self.tenants
-                   if tenant.next_step < tenant.config.run.num_steps}
+        pending = self._ask_running()
         order = [tenant.name for tenant in self.tenants]
         by_name = {tenant.name: tenant for tenant in self.tenants}
         every = self.config.run.checkpoint_every
@@ -135,20 +147,73 @@ class TenantJob:
             order.remove(name)
             order.append(name)
             tenant = by_name[name]
-            if self._train(tenant, pending.pop(name)):
+            try:
+                stepped = self._train(tenant, pending.pop(name))
+            except RECOVERABLE_ERRORS as error:
+                self._recover(error, tenant)
+                pending = self._ask_running()
+                continue
+            if stepped:
                 trained += 1
                 if tenant.next_step < tenant.config.run.num_steps:
                     pending[name] = self._ask(tenant)
-                if every and trained % every == 0:
-                    self._checkpoint()
-                if tenant.next_step < tenant.config.run.num_steps:
+                    if every and trained % every == 0:
+                        self._checkpoint()
                     continue
             if tenant.outcome == "running":
                 tenant.outcome = "finished"
             _stop_producers(tenant)
-        if trained:
+            # A tenant's end is checkpointed: a recovery never rewinds a tenant whose producers have stopped.
             self._checkpoint()
         return self._summary(time.monotonic() - started)
+
+    def _ask_running(self) -> dict:
+        return {tenant.name: self._ask(tenant) for tenant in self.tenants
+                if tenant.outcome == "running" and tenant.next_step < tenant.config.run.num_steps}
+
+    def _new_group(self) -> TrainGroup:
+        """A train group at the latest checkpoint (or the initial weights), registered with every tenant's
+        scheduler."""
+        group = TrainGroup(self.config.train_with_tenants())
+        try:
+            if self.restore_path is not None:
+                group.load_checkpoint(self.restore_path)
+            for tenant in self.tenants:
+                group.register_with(tenant.scheduler)
+        except BaseException:
+            group.shutdown()
+            raise
+        return group
+
+    def _recover(self, error: BaseException, failed: Tenant) -> None:
+        """A train rank failed during `failed`'s step: a new group from the latest checkpoint, every running
+        tenant's scheduler rewound to its step there (the rollouts trained since train again, exactly once), its
+        engines' adapter back to that version. Raises JobFailedError when run.max_failures is spent."""
+        kind = error.kind if isinstance(error, TrainStepError) else FailureKind.TIMEOUT
+        decision = make_decision(FailureStatus(kind=kind, failures_before=len(self.recoveries)),
+                                 self.config.run.max_failures)
+        if decision.action is FailureAction.STOP:
+            raise JobFailedError(f"tenant {failed.name}, step {failed.next_step}: {error}; {decision.reason}") from error
+        started = time.monotonic()
+        log.warning("tenant %s, step %d failed (%s): %s; restarting the train group", failed.name, failed.next_step,
+                    kind.value, error)
+        self.group.shutdown()
+        self.group = self._new_group()
+        redone = {}
+        for tenant in self.tenants:
+            if tenant.outcome != "running":
+                continue  # checkpointed at its end: nothing of it to redo
+            step = self.restore_steps[tenant.name]
+            ray.get(tenant.scheduler.rewind.remote(step), timeout=60)
+            redone[tenant.name] = tenant.next_step - step
+            tenant.next_step = step
+            tenant.lines = [line for line in tenant.lines if line.step < step]
+            tenant.loop.restore(self.group, step)
+        self.recoveries.append({"kind": kind.value, "tenant": failed.name, "steps_redone": redone,
+                                "restored_from": self.restore_path, "time_to_recover_s":
+                                round(time.monotonic() - started, 2)})
+        print(f"recovered from {kind.value} in tenant {failed.name}'s step: a new train group from "
+              f"{self.restore_path or 'the initial weights'}, steps redone {redone}", flush=True)
 
     def _checkpoint(self) -> str:
         """Every tenant's rollout side (its producers' cursors first, then its scheduler at its next step), then the
@@ -166,6 +231,11 @@ class TenantJob:
                           tenant.next_step)
         save_train_state(path, self.group)
         mark_latest(self.config.run.output_dir, path)
+        self.restore_path = path
+        self.restore_steps = {tenant.name: tenant.next_step for tenant in self.tenants}
+        if retains_until_checkpoint(self.config):  # the steps it holds are settled for good
+            for tenant in self.tenants:
+                ray.get(tenant.scheduler.checkpointed.remote(tenant.next_step), timeout=60)
         return path
 
     def _ask(self, tenant: Tenant):
@@ -181,6 +251,8 @@ class TenantJob:
             log.error("tenant %s: %s; the other tenants go on", tenant.name, tenant.outcome)
             _stop_producers(tenant, timeout_s=30)
             return False
+        if self.on_event is not None:
+            self.on_event("step_started", tenant, step, self)
         if refs is None:  # its input ended: by design once its steps are done, else its agent or prompts failed it
             wanted = tenant.config.run.num_steps
             if step < wanted:
@@ -202,6 +274,8 @@ class TenantJob:
             print(f"[{tenant.name}] {line.text()}", flush=True)
         if tenant.recorder is not None:
             tenant.recorder.write(line)
+        if self.on_event is not None:
+            self.on_event("step_trained", tenant, step, self)
         return True
 
     def _summary(self, elapsed_s: float) -> dict:
@@ -229,7 +303,8 @@ class TenantJob:
             }
         adapters = self.group.save_adapters(os.path.join(self.config.run.output_dir, "adapters"))
         rollouts = sum(s["rollouts_trained"] for s in per_tenant.values())
-        return {"tenants": per_tenant, "adapters": adapters, "elapsed_s": round(elapsed_s, 2),
+        return {"tenants": per_tenant, "adapters": adapters, "recoveries": self.recoveries,
+                "elapsed_s": round(elapsed_s, 2),
                 "rollouts_trained": rollouts, "rollouts_per_s": round(rollouts / elapsed_s, 3) if elapsed_s else None,
                 "steps_by_tenant": {name: s["steps"] for name, s in per_tenant.items()}}
 
@@ -264,9 +339,9 @@ def _stop_producers(tenant: Tenant, timeout_s: float = 60.0) -> None:
         tenant.loop.producers.clear()
 
 
-def train_tenants(config) -> dict:
+def train_tenants(config, on_event=None) -> dict:
     """Run a multi-tenant job on an initialised Ray; returns its summary."""
-    job = TenantJob(config)
+    job = TenantJob(config, on_event)
     try:
         job.build()
         return job.run()

@@ -135,12 +135,13 @@ def train(config: JobConfig, records_path: str, on_event=None) -> dict:
     """Run the job on an initialised Ray; returns the summary (see `Job`).
 
     `on_event(event, step, controller)`, if given, is called with "step_started" before each step
-    and "step_trained" after its record is written (step: the run's global step; for tests and tools).
+    and "step_trained" after its record is written (step: the run's global step; for tests and tools; a
+    multi-tenant job calls `on_event(event, tenant, step, job)`).
     """
     if config.tenants:  # multi-LoRA: one adapter per tenant over one base (jobs/tenants.py)
         from jobs.tenants import train_tenants
 
-        return train_tenants(config)
+        return train_tenants(config, on_event)
     job = Job(config, records_path, on_event)
     try:
         job.build()
