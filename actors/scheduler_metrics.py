@@ -45,6 +45,10 @@ class SchedulerMetrics:
         self.policy_version = g("vgbs_scheduler_policy_version", "The policy version the next step trains (= steps emitted)")
         self.stale_dropped = Counter("vgbs_scheduler_stale_dropped_rollouts_total",
                                      description="Rollouts dropped as too stale to train (max_staleness)", tag_keys=TAGS)
+        self.tokens_in_use = g("vgbs_scheduler_admission_tokens_in_use",
+                               "Token budget in use: rollouts in flight x expected tokens per rollout (admission_token_budget)")
+        self.token_refusals = g("vgbs_scheduler_admission_token_refusals",
+                                "Groups refused by the token budget since start")
         self.latency = Histogram("vgbs_scheduler_scheduling_latency_s", description="Step formable -> all shards in the object store",
                                  boundaries=LATENCY_BOUNDARIES_S, tag_keys=TAGS)
         self._increments: Counts = Counts()   # (Counter, extra tag or None) -> not yet recorded
@@ -96,6 +100,9 @@ class SchedulerMetrics:
             self.buffered_rollouts: core.intake.num_buffered_rollouts, self.buffered_samples: core.intake.buffered_samples,
             self.steps_in_flight: core.next_step - core.steps_trained, self.policy_version: core.next_step,
         })
+        if core.tokens is not None:
+            self._gauge_values.update({self.tokens_in_use: core.tokens.tokens_in_use,
+                                       self.token_refusals: core.tokens.refusals})
         self.publish()
 
     async def publish_every(self, core, seconds: float) -> None:

@@ -313,6 +313,7 @@ class JobConfig:
             self._check_closed_loop()
         else:
             self._check_no_engines()
+        self._check_token_budget()
         if self.scheduler.max_staleness is not None:
             raise ConfigError(f"scheduler.max_staleness={self.scheduler.max_staleness}: the job has one staleness bound, "
                               "train.loss.off_policy.max_staleness (the loss corrects for it and the scheduler enforces "
@@ -380,6 +381,20 @@ class JobConfig:
                               f"{loop.agent} samples them (ctx.chat): keep closed_loop.enabled=true, or run an agent "
                               "that makes its samples itself (ctx.add_sample), e.g. --preset synthetic")
 
+    def _check_token_budget(self) -> None:
+        budget = self.scheduler.admission_token_budget
+        if budget is None:
+            return
+        if not self.closed_loop.enabled:
+            raise ConfigError(f"scheduler.admission_token_budget={budget} admits groups against the engines' tokens, "
+                              "and closed_loop.enabled=false runs no engines: set closed_loop.enabled=true or leave "
+                              "the budget out")
+        longest = self.closed_loop.engines.max_model_len
+        if budget < longest:
+            raise ConfigError(f"scheduler.admission_token_budget={budget} tokens is smaller than one request may be "
+                              f"(closed_loop.engines.max_model_len={longest}): raise the budget (the engines' KV "
+                              "cache in tokens, over all engines) or lower max_model_len")
+
     def _check_closed_loop(self) -> None:
         loop, model = self.closed_loop, self.train.model
         if loop.engines.max_model_len > model.max_position_embeddings:
@@ -404,6 +419,9 @@ class JobConfig:
             # The scheduler enforces the bound the loss was configured for (one number, one place);
             # synthetic rollouts carry no policy versions, so there is nothing to bound without the loop.
             scheduler = replace(scheduler, max_staleness=self.max_staleness)
+        if scheduler.admission_token_budget is not None and scheduler.admission_tokens_per_rollout is None:
+            # Before any rollout completed, expect the longest request an engine takes (the budget then learns).
+            scheduler = replace(scheduler, admission_tokens_per_rollout=self.closed_loop.engines.max_model_len)
         return replace(scheduler, intake=replace(
             intake,
             vocab_size=intake.vocab_size if intake.vocab_size is not None else model.vocab_size,

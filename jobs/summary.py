@@ -164,6 +164,7 @@ def overlap_summary(trained: list[StepLine], stats, elapsed_s: float | None) -> 
     - finished_rollouts: rollouts the scheduler accepted whole (trained, dropped for any reason
       or still buffered; `incomplete_rollout` drops excluded); stale_drop_share: the ones dropped
       as too stale (`stale`) over them;
+    - with a token budget: the groups it refused and its final expectation of a rollout's tokens.
     """
     drops = stats.ledger.dropped_by_reason
     finished = stats.ledger.num_rollouts_accepted - drops.get("incomplete_rollout", 0)
@@ -173,4 +174,8 @@ def overlap_summary(trained: list[StepLine], stats, elapsed_s: float | None) -> 
         "finished_rollouts": finished,
         "stale_dropped_rollouts": drops.get("stale", 0),
         "stale_drop_share": round(drops.get("stale", 0) / finished, 4) if finished else None,
+        # admission by tokens (scheduler.admission_token_budget): groups it refused, its final expectation
+        **({"admission_token_refusals": stats.token_refusals,
+            "admission_tokens_per_rollout": round(stats.tokens_per_rollout, 1)}
+           if stats.tokens_per_rollout is not None else {}),
     }

@@ -129,6 +129,8 @@ class IngestOutcome:
     """Positions (in the call) of samples refused by backpressure: resubmit them."""
     completed: list = field(default_factory=list)
     """Rollout ids whose last sample arrived in this call."""
+    completed_tokens: list[int] = field(default_factory=list)
+    """Their tokens (prompt + response over every sample), in the same order."""
     dropped: list[tuple[Hashable, str]] = field(default_factory=list)
 
 
@@ -270,6 +272,7 @@ class RolloutIntake:
                 return
             self._buffer(rid, sample, out)
             out.completed.append(rid)
+            out.completed_tokens.append(sample.total_length)
             self._complete(rid, (sample,), now, out)
             return
         if rid not in self._open and samples[0].rollout_size is None:
@@ -335,6 +338,7 @@ class RolloutIntake:
         if len(entry.samples) == entry.expected:
             del self._open[rid]
             out.completed.append(rid)
+            out.completed_tokens.append(sum(s.total_length for s in entry.samples.values()))
             self._complete(rid, tuple(entry.samples[i] for i in sorted(entry.samples)), now, out)
 
     def _buffer(self, rid, sample: Sample, out: IngestOutcome) -> None:

@@ -42,6 +42,7 @@ from vgbs_ray.scheduler_policy import Action, FlushRequest, SchedulerView, admit
 from vgbs_ray.scheduler_state import SchedulerState
 from vgbs_ray.scheduler_types import Admission, SchedulerConfig, SchedulerStats, StepRecord
 from vgbs_ray.settled_ids import SettledIds
+from vgbs_ray.token_budget import TokenBudget
 from vgbs_ray.staleness import STALE_REASON, oldest_versions, staleness_stats
 from vgbs_ray.staleness_window import StalenessWindow
 from vgbs_ray.step_choice import FifoChooser, StepChooser
@@ -103,6 +104,10 @@ class SchedulerCore:
         self._partial_steps = self._padded_steps = 0
         self._accepted = self._rejected = self._deferred = 0
         self._admitted = self._refused_admissions = 0
+        budget = config.admission_token_budget
+        self.tokens = None if budget is None else TokenBudget(
+            budget, config.admission_tokens_per_rollout or config.intake.max_sequence_length or budget)
+        """Admission by tokens (vgbs_ray/token_budget.py), when configured."""
         self._incomplete: list = []
         self._hold_released_at: int | None = None  # the step whose hold for last-chance rollouts was last released
         if restore is not None:
@@ -203,6 +208,7 @@ class SchedulerCore:
         dropped = [r.rollout_id for r in self.intake.take_oldest(self.intake.num_ready)]
         self._drop(dropped, reason)
         self.chooser.discard_in_flight()
+        self._release_all()
         self.input_closed = self.ended = True
         return len(dropped)
 
@@ -243,13 +249,15 @@ class SchedulerCore:
         `admission()` refuses them. Never raises for bad data: see the outcome's rejections."""
         accept_new, _ = self.admission()
         out = self.intake.ingest(samples, now=now, accept_new=accept_new)
-        for rid in out.completed:
+        for rid, tokens in zip(out.completed, out.completed_tokens):
             self.chooser.finished(rid)
-        self.chooser.discard(rid for rid, _ in out.dropped)
+            if self.tokens is not None:
+                self.tokens.completed(rid, tokens)
+        self._discard([rid for rid, _ in out.dropped])
         # A rejected rollout with nothing accepted never trains (unless sent again, then as a rollout that was
         # not admitted): free its room. An open one may still complete.
-        self.chooser.discard(r.rollout_id for r in out.rejections
-                             if self.chooser.is_pending(r.rollout_id) and self.ledger.get(r.rollout_id) is None)
+        self._discard([r.rollout_id for r in out.rejections
+                       if self.chooser.is_pending(r.rollout_id) and self.ledger.get(r.rollout_id) is None])
         self._accepted += out.accepted
         self._rejected += len(out.rejections)
         self.events.on_submit(out.accepted, [r.rule for r in out.rejections], 0)
@@ -283,20 +291,29 @@ class SchedulerCore:
         new = [rid for rid in ids if rid not in skip and not self.chooser.is_pending(rid)]
         if not new:
             return Admission(True, self.next_step, self.next_step - engine_version, known=known)
+        if self.tokens is not None and not self.tokens.fits(len(new)):  # before the staleness rule records anything
+            self.tokens.refusals += 1
+            self._refused_admissions += 1
+            return Admission(False, self.next_step, self.next_step - engine_version, known=known)
         decision = self.chooser.try_admit(new, engine_version, owner=producer)
         if decision.admit:
             self._admitted += len(new)
+            if self.tokens is not None:
+                self.tokens.add(new)
         else:
             self._refused_admissions += 1
         return Admission(decision.admit, decision.landing_step, decision.expected_staleness, known=known)
 
     def producer_lost(self, producer: int) -> int:
         """The rollouts `producer` admitted and did not finish no longer hold room; returns how many."""
-        return len(self.chooser.discard_owner(producer))
+        ids = self.chooser.discard_owner(producer)
+        if self.tokens is not None:
+            self.tokens.release(ids)
+        return len(ids)
 
     def abandon(self, rollout_ids: Sequence) -> None:
         """The producer gave these admitted rollouts up: they no longer hold room and no step waits for them."""
-        self.chooser.discard(rollout_ids)
+        self._discard(list(rollout_ids))
 
     def fail_rollouts(self, rollout_ids: Sequence, reason: str) -> int:
         """The producer lost these rollouts before pushing a sample: each unknown id is DROPPED(reason) and
@@ -304,7 +321,7 @@ class SchedulerCore:
         new = [rid for rid in dict.fromkeys(rollout_ids) if self.ledger.get(rid) is None]
         for rid in new:
             self.ledger.fail(rid, reason)
-        self.chooser.discard(new)
+        self._discard(new)
         if new:
             self.events.on_drop(reason, len(new))
             self.log.info("%s: %d rollouts lost by their producer (%s)", self.name, len(new), reason)
@@ -371,6 +388,7 @@ class SchedulerCore:
         gbs = self.config.batch.global_batch_size
         if request.end_of_input:
             self.chooser.discard_in_flight()  # nothing more arrives: no step may wait for them
+            self._release_all()
         while self.layout is not None and self.intake.num_ready >= gbs:
             rollouts = self._flush_take(partial=False)
             if not rollouts:
@@ -390,7 +408,7 @@ class SchedulerCore:
         if request.end_of_input:
             for rid, reason, detail in self.intake.close_incomplete():
                 self.ledger.drop(rid, reason)
-                self.chooser.discard((rid,))
+                self._discard((rid,))
                 self.events.on_drop(reason)
                 self._incomplete.append((rid, reason, detail))
                 dropped.append(rid)
@@ -475,6 +493,9 @@ class SchedulerCore:
             staleness_pending=self.chooser.pending_rollouts if enforced else None,
             staleness_in_flight=self.chooser.in_flight_rollouts if enforced else None,
             admitted_rollouts=self._admitted, refused_admissions=self._refused_admissions,
+            token_refusals=self.tokens.refusals if self.tokens is not None else 0,
+            tokens_in_use=self.tokens.tokens_in_use if self.tokens is not None else None,
+            tokens_per_rollout=self.tokens.tokens_per_rollout if self.tokens is not None else None,
         )
 
     def describe_wait(self) -> str:
@@ -502,10 +523,20 @@ class SchedulerCore:
             self.ledger.drop(rid, reason)
         self.intake.settle(rollout_ids)
         self._replay.difference_update(rollout_ids)
-        self.chooser.discard(rollout_ids)
+        self._discard(rollout_ids)
         self.events.on_drop(reason, len(rollout_ids))
         if rollout_ids:
             self.log.info("%s: dropped %d rollouts (%s)", self.name, len(rollout_ids), reason)
+
+    def _discard(self, rollout_ids) -> None:
+        """These rollouts will never complete or train: they leave the chooser and the token budget."""
+        self.chooser.discard(rollout_ids)
+        if self.tokens is not None:
+            self.tokens.release(rollout_ids)
+
+    def _release_all(self) -> None:
+        if self.tokens is not None:
+            self.tokens.clear()
 
     def _undo_steps_from(self, next_step: int) -> list[ReadyRollout]:
         """Steps >= `next_step` did not happen: release their slots and records, put their rollouts back in

@@ -63,6 +63,14 @@ class SchedulerConfig:
     it (check_admission_config) when producers first `admit` the group: the scheduler does not know
     group sizes before."""
 
+    admission_token_budget: int | None = None
+    """Admission by tokens (vgbs_ray/token_budget.py): the tokens the engines hold at once (their KV cache over
+    all engines). A group is admitted only while the rollouts in flight, each charged the tokens a rollout is
+    expected to hold (corrected by every rollout that completes), fit it; applied with the staleness rule
+    (needs max_staleness). None: no token budget (groups in flight are bounded by the producers' count)."""
+    admission_tokens_per_rollout: int | None = None
+    """The expectation before any rollout completed (a job fills in closed_loop.engines.max_model_len)."""
+
     def __post_init__(self):
         if not isinstance(self.batch, BatchConfig):
             raise ConfigError(f"SchedulerConfig.batch must be a BatchConfig, got {type(self.batch).__name__}")
@@ -82,6 +90,10 @@ class SchedulerConfig:
                                                or self.max_staleness < 0):
             raise ConfigError(f"SchedulerConfig.max_staleness must be an int >= 0 (policy versions) or None, "
                               f"got {self.max_staleness!r}")
+        for key in ("admission_token_budget", "admission_tokens_per_rollout"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"scheduler.{key} must be an integer >= 1 (tokens) or null, got {value!r}")
         if self.step_record_window < 1:
             raise ConfigError(f"SchedulerConfig.step_record_window must be >= 1, got {self.step_record_window}")
 
@@ -210,6 +222,12 @@ class SchedulerStats:
     admitted_rollouts: int = 0
     refused_admissions: int = 0
     """Groups `admit` refused (a producer asks again later)."""
+    token_refusals: int = 0
+    """Of those, refused by the token budget (admission_token_budget)."""
+    tokens_in_use: float | None = None
+    """The token budget in use: rollouts in flight x the expected tokens per rollout (None: no budget)."""
+    tokens_per_rollout: float | None = None
+    """The budget's current expectation of a rollout's tokens (corrected by the rollouts that completed)."""
 
     @property
     def steps_in_flight(self) -> int:
