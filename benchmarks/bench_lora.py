@@ -29,14 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ROUNDS = 3
-MODELS = {
-    "demo": dict(vocab_size=17),
-    "~20M": dict(num_layers=6, hidden_size=512, num_attention_heads=8, num_query_groups=8, ffn_hidden_size=1376,
-                 vocab_size=4000),
-    "~150M": dict(num_layers=10, hidden_size=1024, num_attention_heads=16, num_query_groups=16,
-                  ffn_hidden_size=2816, vocab_size=16000),
-}
+from bench_weight_sync import MODELS, ROUNDS  # noqa: E402 - the same three models (this script's directory)
 ROLLOUTS, TOKENS = 16, (32, 160)
 
 
