@@ -267,3 +267,13 @@ def test_tenant_adapters_are_refused_beside_train_lora_and_under_one_name():
         TrainGroupConfig(tenant_adapters=(AdapterConfig(name="a", lora=LORA), AdapterConfig(name="a", lora=LORA)))
     with pytest.raises(ConfigError, match="letters, digits and underscores"):
         AdapterConfig(name="my tenant", lora=LORA)
+
+
+def test_a_tenants_token_versions_are_read_from_the_engines_labels_of_every_adapter():
+    from actors.rollout_engine import _merged_runs, _version_of
+
+    assert _version_of("7", None) == 7 and _version_of("7", "policy") == 7  # one adapter: the plain version
+    label = '{"code": 3, "math": 5}'
+    assert (_version_of(label, "math"), _version_of(label, "code"), _version_of(label, "chat")) == (5, 3, -1)
+    # another tenant's load splits vLLM's spans without changing this request's version: one run again
+    assert _merged_runs([(5, 4), (5, 2), (6, 3)]) == ((5, 6), (6, 3))
