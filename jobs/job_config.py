@@ -8,7 +8,7 @@
       train        TrainGroupConfig   model, optimizer, loss, parallel sizes, placement
 
 `load_job_config(path, overrides, preset)` builds it on a preset (`PRESETS`: `closed_loop`, the
-default, and `synthetic`: whole configs); every error names the key and the fix. A JobConfig
+default, `synthetic` and `long_tail`: whole configs); every error names the key and the fix. A JobConfig
 built in Python is checked by itself the same way.
 Cross-component checks (schedule alignment, sequence lengths vs the model) run here too,
 so a wrong config fails at start-up, before any actor exists.
@@ -430,6 +430,7 @@ class JobConfig:
 
 
 SYNTHETIC_AGENT = "examples.synthetic_agent"
+LONG_TAIL_AGENT = "examples.long_tail_agent"
 """The synthetic preset's agent module (examples/synthetic_agent.py)."""
 
 
@@ -456,7 +457,18 @@ def synthetic_preset() -> JobConfig:
                       loss=replace(train.loss, policy="ppo", off_policy=OffPolicyConfig(max_staleness=0))))
 
 
-PRESETS = {"closed_loop": closed_loop_preset, "synthetic": synthetic_preset}
+def long_tail_preset() -> JobConfig:
+    """The closed loop on a long-tail agentic workload (examples/long_tail_agent.py: 79% one-token episodes, 16%
+    2-4 turns, 5% 8-16 turns of 8 tokens holding most of the tokens), engines taking 256-token requests; the
+    digit task's reward, so it learns. For measuring the engines and the scheduler on the workload the project
+    exists for (benchmarks/bench_long_tail_job.py)."""
+    base = JobConfig()
+    loop = replace(base.closed_loop, agent=f"{LONG_TAIL_AGENT}:make_agent",
+                   engines=replace(base.closed_loop.engines, max_model_len=256))
+    return replace(base, closed_loop=loop, run=replace(base.run, num_steps=40))
+
+
+PRESETS = {"closed_loop": closed_loop_preset, "synthetic": synthetic_preset, "long_tail": long_tail_preset}
 """Whole job configs by name: `--preset NAME` (or `preset: NAME` at the top of a YAML file); the file's keys
 and `--set` overrides then change that preset's fields, nothing else."""
 DEFAULT_PRESET = "closed_loop"
