@@ -17,6 +17,8 @@ Tensor parallelism, as Megatron shards the layer:
   rows contribute to A's gradient).
 - row-parallel `linear_proj` (o) and `linear_fc2` (down): the input is split, so A is split over its input
   columns and `A x` is summed over TP (`reduce_from_tensor_model_parallel_region`); B is replicated.
+The hook reads the layer's input: Megatron's local layers (always used with LoRA, also where Transformer Engine is
+installed: TE's `linear_qkv` and `linear_fc1` take the un-normalised hidden states and fuse the norm in).
 The split tensors carry Megatron's TP attributes, so gathering and splitting the whole model (weight sync,
 `MegatronStep.full_parameters`) and the gradient norm treat them like the base weights. Pipeline stages hold
 their own layers' adapters. A is drawn whole per (seed, layer, target) and then split: any layout starts from

@@ -88,6 +88,7 @@ class MegatronStep:
                 microbatch_group_size_per_vp_stage=config.microbatch_group if config.pp_size > 1 else None,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                local_spec=bool(config.adapters),
             ))
             if config.adapters:  # before DDP, which allocates gradient buffers for what trains
                 from actors.lora_layers import attach_lora

@@ -169,11 +169,13 @@ def _pipeline_settings(pp_size: int, vpp_size: int, group: int | None, dtype: to
 def build_gpt_model(config: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, cp_size: int = 1,
                     on_gpu: bool = False, pre_process: bool = True, post_process: bool = True,
                     vpp_size: int = 1, vp_stage: int | None = None, ep_size: int = 1,
-                    microbatch_group_size_per_vp_stage: int | None = None) -> GPTModel:
-    """Build the GPTModel (with pp_size > 1: this stage's chunk `vp_stage`); deterministic for a given `config.seed`."""
+                    microbatch_group_size_per_vp_stage: int | None = None, local_spec: bool = False) -> GPTModel:
+    """Build the GPTModel (with pp_size > 1: this stage's chunk `vp_stage`); deterministic for a given `config.seed`.
+    `local_spec`: Megatron's local layers even where Transformer Engine is installed (LoRA: TE fuses the norm
+    into `linear_qkv` and `linear_fc1`, whose inputs the adapters must see normalised; actors/lora_layers.py)."""
     torch.manual_seed(config.seed)
     qk_norm = get_family(config.family).qk_norm
-    if on_gpu and transformer_engine_available():
+    if on_gpu and transformer_engine_available() and not local_spec:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_experts, moe_grouped_gemm=False,

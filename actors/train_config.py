@@ -264,6 +264,10 @@ class TrainGroupConfig:
             raise ConfigError(f"tenant names must differ, got {names}")
         for adapter in self.adapters.values():
             adapter.lora.check_model(num_experts=self.model.num_experts, family=self.model.family)
+        if self.adapters and self.cp_size > 1:
+            raise ConfigError(f"TrainGroupConfig.cp_size={self.cp_size} with LoRA adapters: context parallelism runs "
+                              "in Transformer Engine's attention, whose layers fuse the norm into the projections the "
+                              "adapters wrap (they need its output); LoRA trains with cp_size=1")
         if self.model.params_dtype == "bfloat16" and self.backend != "nccl":
             raise ConfigError(
                 "TrainGroupConfig: model.params_dtype='bfloat16' needs backend='nccl' (a GPU): Megatron-Core 0.16.1's "

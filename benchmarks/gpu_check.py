@@ -51,14 +51,21 @@ def _model(dtype: str = "float32"):
                        tie_word_embeddings=True, params_dtype=dtype)
 
 
-def _config(backend: str, cp_size: int, dtype: str = "float32"):
+def _config(backend: str, cp_size: int, dtype: str = "float32", lora: bool = False):
     from tests.train_support import sgd_config
+    from vgbs_ray.lora import LoraConfig
 
-    return sgd_config(lr=1.0, backend=backend, cp_size=cp_size, model=_model(dtype))
+    return sgd_config(lr=1.0, backend=backend, cp_size=cp_size, model=_model(dtype),
+                      lora=LoraConfig(rank=8, alpha=16) if lora else None)
+
+
+def _weights(trainer, lora: bool) -> dict:
+    """What a step updates: the whole model, or with LoRA the adapters (the base with them, to start alike)."""
+    return {**trainer.full_parameters(), **trainer.full_parameters(adapters=True)} if lora else trainer.full_parameters()
 
 
 def _train(rank: int, world: int, port: int, backend: str, cp_size: int, initial: str | None, out: str,
-           dtype: str = "float32") -> None:
+           dtype: str = "float32", lora: bool = False) -> None:
     import torch
 
     from actors.distributed import init_distributed
@@ -67,25 +74,26 @@ def _train(rank: int, world: int, port: int, backend: str, cp_size: int, initial
     torch.set_num_threads(1)
     info = init_distributed(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port,
                             backend=backend, timeout_s=120, tp_size=1, pp_size=1, cp_size=cp_size)
-    trainer = RankTrainer(_config(backend, cp_size, dtype), info)
+    trainer = RankTrainer(_config(backend, cp_size, dtype, lora), info)
     if initial is None:
-        np.savez(out + ".initial.npz", **trainer.full_parameters())
+        np.savez(out + ".initial.npz", **_weights(trainer, lora))
     else:
         trainer.load_full_parameters(dict(np.load(initial)))
-    before = trainer.full_parameters()
+    before = _weights(trainer, lora)
     losses = [trainer.train_shard(_shards(k, cp_size)[0]).metrics.get("loss", (0.0, 0.0)) for k in range(STEPS)]
-    after = trainer.full_parameters()
+    after = _weights(trainer, lora)
     if rank == 0:
         np.savez(out, **{k: after[k].astype(np.float64) - before[k].astype(np.float64) for k in before})
         print(f"{backend} cp={cp_size} {dtype}: loss pairs per step {losses}")
 
 
-def _spawn(world: int, backend: str, cp_size: int, initial: str | None, out: str, dtype: str = "float32") -> None:
+def _spawn(world: int, backend: str, cp_size: int, initial: str | None, out: str, dtype: str = "float32",
+           lora: bool = False) -> None:
     from actors.distributed import find_free_port
 
     port = find_free_port()
     context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=_train, args=(r, world, port, backend, cp_size, initial, out, dtype))
+    procs = [context.Process(target=_train, args=(r, world, port, backend, cp_size, initial, out, dtype, lora))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -107,8 +115,10 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     cpu_out = os.path.join(args.dir, "cpu_update.npz")
+    lora_out = os.path.join(args.dir, "cpu_lora_update.npz")
     if args.mode == "cpu":
         _spawn(1, "gloo", 1, None, cpu_out)
+        _spawn(1, "gloo", 1, None, lora_out, lora=True)
         return
     import torch
 
@@ -130,6 +140,12 @@ def main() -> None:
               f"({'OK' if ok else 'MISMATCH'}, tolerance {TOLERANCE:g})")
     if len(checks) == 1:
         print("CP=2: skipped (needs 2 GPUs and Transformer Engine)")
+    gpu_lora_out = os.path.join(args.dir, "gpu_lora_update.npz")  # LoRA: the adapters' update, local layers on GPU
+    _spawn(1, "nccl", 1, lora_out + ".initial.npz", gpu_lora_out, lora=True)
+    rel = _relative(dict(np.load(lora_out)), dict(np.load(gpu_lora_out)))
+    failed |= rel >= TOLERANCE
+    print(f"NCCL LoRA dp=1 vs CPU gloo: relative update difference {rel:.2e} "
+          f"({'OK' if rel < TOLERANCE else 'MISMATCH'}, tolerance {TOLERANCE:g})")
     bf16_out = os.path.join(args.dir, "gpu_bf16_update.npz")
     _spawn(1, "nccl", 1, cpu_out + ".initial.npz", bf16_out, dtype="bfloat16")
     print(f"NCCL dp=1 bf16 vs CPU gloo float32: relative update difference "

@@ -277,3 +277,8 @@ def test_a_tenants_token_versions_are_read_from_the_engines_labels_of_every_adap
     assert (_version_of(label, "math"), _version_of(label, "code"), _version_of(label, "chat")) == (5, 3, -1)
     # another tenant's load splits vLLM's spans without changing this request's version: one run again
     assert _merged_runs([(5, 4), (5, 2), (6, 3)]) == ((5, 6), (6, 3))
+
+
+def test_lora_with_context_parallelism_is_refused_naming_the_reason():
+    with pytest.raises(ConfigError, match=r"cp_size=2 with LoRA adapters: .*fuse the norm"):
+        TrainGroupConfig(lora=LORA, cp_size=2, backend="nccl")
