@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check: Megatron schedule + DDP + optimizer over NCCL vs the CPU path, same update (a Qwen3-shaped
-# model; a LoRA step too: the adapters on Megatron's local layers on the GPU; then bf16, reported). The weight channel's NCCL backend (docs/models.md) needs a GPU per side,
-# so this one-GPU check does not run it.
+# model; a LoRA step too: the adapters on Megatron's local layers on the GPU; then bf16, reported). The
+# weight channel's NCCL backend (docs/models.md) needs a GPU per side, so this one-GPU check does not run it.
 # Needs one GPU (two, with Transformer Engine, for the CP=2 check) and a CUDA build of torch: the
 # project pins the CPU wheel, so point PYTHON at an environment with the project installed over a
 # CUDA torch (same megatron-core 0.16.1). From the repository root:
