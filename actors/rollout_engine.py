@@ -72,6 +72,12 @@ class EngineDiedError(EngineError):
     """A rollout engine's actor is gone."""
 
 
+class EngineBrokenError(EngineError):
+    """A weight load failed after it began changing the engine: its weights may mix two versions, so it serves
+    nothing more (its requests in flight fail, `health()` reports it hung: the job's engine watch replaces it, and
+    clients send its requests to the other engines, which keep the old version until the new one reaches them)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Rollout engines of a job: how many, their resources, and vLLM's settings."""
@@ -247,6 +253,8 @@ class RolloutEngine:
         """vLLM request id -> (its generate call, the prompt's index in it, its adapter); the engine thread's
         alone."""
         self._next_request = 0
+        self._broken: str | None = None
+        """Why the engine serves no more (a load failed half-way: EngineBrokenError), or None."""
         self._held_update: _Call | None = None
         self._held_calls: list[_Call] = []
         """Calls that arrived behind a held update (reload by restart waits for the engine to empty)."""
@@ -294,6 +302,8 @@ class RolloutEngine:
     async def _checked_requests(self, prompts, sampling, adapter) -> tuple:
         """The call's prompts, per-prompt sampling and adapter, once this engine serves; refused (naming the engine
         and the request) when a request cannot run here."""
+        if self._broken is not None:
+            raise EngineBrokenError(f"{self.name}: {self._broken}; it serves no more requests")
         prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
         samplings = _per_prompt(sampling, len(prompts))
         adapter = self._adapter_for(adapter)
@@ -334,6 +344,8 @@ class RolloutEngine:
     def health(self) -> float:
         """Seconds the engine thread has spent on its current step or load (0 when idle); an engine whose
         answer stays large, or that does not answer, is hung (jobs/engine_watch.py)."""
+        if self._broken is not None:
+            return float("inf")  # half-loaded weights: replace it
         started = self._call_started
         return 0.0 if started is None else time.perf_counter() - started
 
@@ -415,6 +427,8 @@ class RolloutEngine:
     def current_policy_version(self, adapter: str | None = None) -> int:
         """The version this engine's next generations carry at the least (a replacement: the one it waits for);
         multi-LoRA: of tenant `adapter`'s (-1 before its first load)."""
+        if self._broken is not None:
+            raise EngineBrokenError(f"{self.name}: {self._broken}")
         if adapter is not None and len(self._loras) > 1:
             return self.adapter_versions.get(adapter, -1)
         return max(self.policy_version, self._serve_from or 0)
@@ -518,11 +532,7 @@ class RolloutEngine:
         try:
             outputs = engine.step()
         except BaseException as error:  # noqa: BLE001 - every request in flight fails; the engine serves on
-            calls = {id(call): call for call, _, _ in self._requests_in_flight.values()}
-            engine.abort_request(list(self._requests_in_flight))
-            self._requests_in_flight = {}
-            for call in calls.values():
-                _answer(call, error)
+            self._fail_in_flight(error)
             return
         for output in outputs:
             if not output.finished or output.request_id not in self._requests_in_flight:
@@ -569,6 +579,8 @@ class RolloutEngine:
         import torch
 
         policy_version, weights = payload
+        if self._broken is not None:
+            raise EngineBrokenError(f"{self.name}: {self._broken}; it loads no more versions (it is replaced)")
         start = time.perf_counter()
         in_flight = len(self._requests_in_flight)
         # The arrays are read-only views of the object store; vLLM only copies them into its parameters.
@@ -585,6 +597,24 @@ class RolloutEngine:
         if unknown:
             raise EngineError(f"{self.name}: version {policy_version} carries LoRA adapter(s) {unknown}, but the "
                               f"engine serves {sorted(self._loras) or 'none'} (EngineConfig.lora_adapters)")
+        try:
+            restarted = self._apply_weights(base, adapters, policy_version, in_flight)
+        except BaseException as error:  # noqa: BLE001 - half-loaded: this engine must not sample again
+            self._broken = f"loading version {policy_version} failed half-way: {error!r}"
+            broken = EngineBrokenError(f"{self.name}: {self._broken}; it serves no more requests (the engine watch "
+                                       "replaces it)")
+            self._fail_in_flight(broken)
+            raise broken from error
+        self.policy_version = policy_version
+        self.llm.llm_engine.set_weight_version(self._version_label())
+        self._weight_loads += 1
+        self._in_flight_loads += in_flight > 0
+        return WeightLoad(engine=self.name, policy_version=policy_version, load_time_s=time.perf_counter() - start,
+                          num_bytes=sum(t.numel() * t.element_size() for _, t in tensors),
+                          requests_in_flight=in_flight)
+
+    def _apply_weights(self, base: list, adapters: dict, policy_version: int, in_flight: int) -> bool:
+        """The part of a load that changes the engine (see `_load`); returns whether it restarted vLLM."""
         restarted = bool(base) and self.reload_by_restart  # only with nothing in flight (`_accept` held it)
         if restarted:
             self._restart_with(base, policy_version)
@@ -601,13 +631,16 @@ class RolloutEngine:
         if not restarted and not self.llm.llm_engine.reset_prefix_cache(reset_running_requests=in_flight > 0):
             raise EngineError(f"{self.name}: vLLM did not reset its prefix cache after loading version "
                               f"{policy_version}; the engine would reuse the old weights' keys and values")
-        self.policy_version = policy_version
-        self.llm.llm_engine.set_weight_version(self._version_label())
-        self._weight_loads += 1
-        self._in_flight_loads += in_flight > 0
-        return WeightLoad(engine=self.name, policy_version=policy_version, load_time_s=time.perf_counter() - start,
-                          num_bytes=sum(t.numel() * t.element_size() for _, t in tensors),
-                          requests_in_flight=in_flight)
+        return restarted
+
+    def _fail_in_flight(self, error: BaseException) -> None:
+        """Every request in flight fails with `error` (its caller sends it elsewhere) and leaves vLLM."""
+        calls = {id(call): call for call, _, _ in self._requests_in_flight.values()}
+        if self.llm is not None and self._requests_in_flight:
+            self.llm.llm_engine.abort_request(list(self._requests_in_flight))
+        self._requests_in_flight = {}
+        for call in calls.values():
+            _answer(call, error)
 
     def _load_adapter(self, name: str, tensors: list, policy_version: int) -> None:
         """Adapter `name` (PEFT names -> tensors; none: the files of its last version) into vLLM, in place of its
@@ -658,6 +691,11 @@ class RolloutEngine:
         self.llm = LLM(**self._llm_kwargs)
         if previous != self._model_dir:
             shutil.rmtree(previous, ignore_errors=True)
+
+
+def _engine_lost(error: BaseException) -> bool:
+    """A call failed because its engine is gone or broken (a half-failed load): its requests go elsewhere."""
+    return actor_died(error) or isinstance(error, EngineBrokenError)
 
 
 def _has_base(call: _Call) -> bool:
@@ -785,7 +823,7 @@ class EngineClient:
             try:
                 return await handle.generate.remote(list(prompts), sampling, self.adapter)
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as error:
-                if not actor_died(error) or engine_index is not None:
+                if not _engine_lost(error) or engine_index is not None:
                     raise engine_error(error, self.names[index], "generate") from error
                 self._mark_dead(index, handle)  # the request goes to another engine (or waits for a replacement)
             finally:
@@ -815,7 +853,7 @@ class EngineClient:
                     del pending[order[position]]
                     yield order[position], generation
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as error:
-                if not actor_died(error):
+                if not _engine_lost(error):
                     raise engine_error(error, self.names[index], "generate") from error
                 self._mark_dead(index, handle)  # what is left goes to another engine (or waits for a replacement)
             finally:
@@ -833,7 +871,7 @@ class EngineClient:
             versions = []
             for index, answer in zip(live, answers):
                 if isinstance(answer, BaseException):
-                    if not actor_died(answer):
+                    if not _engine_lost(answer):
                         raise engine_error(answer, self.names[index], "current_policy_version") from answer
                     self._mark_dead(index, self.engines[index])
                 else:

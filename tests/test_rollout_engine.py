@@ -311,3 +311,29 @@ def test_a_dead_engine_is_an_error_naming_it_and_its_replacement_serves_the_newe
     for got, expected in zip([g.response_log_probs for g in generations],
                              _megatron_log_probs(ray.get(newest.ref), generations)):
         assert np.abs(got - expected).max() < 1e-4, np.abs(got - expected).max()
+
+
+def test_a_load_that_fails_half_way_breaks_the_engine_until_it_is_replaced(system):
+    """Runs after the dead-engine test (its replacement serves version 7). A load whose second tensor does not
+    fit fails after the first was copied: the engine's weights mix two versions, so it refuses every request
+    (a client treats it as gone), reports itself hung to the engine watch, and loads nothing more; a
+    replacement serves again."""
+    from actors.rollout_engine import EngineBrokenError
+
+    group, engines, _, _ = system
+    newest = publish_weights(group, 8)
+    weights = ray.get(newest.ref)
+    first, second = list(weights)[:2]
+    half = {first: weights[first], second: np.zeros((3, 3), dtype=np.float32)}  # the second cannot be copied
+    engine = engines.engines[0]
+    with pytest.raises(EngineBrokenError, match="loading version 8 failed half-way"):
+        ray.get(engine.update_weights.remote(8, half), timeout=120)
+    assert ray.get(engine.health.remote(), timeout=30) == float("inf")  # the engine watch replaces a hung engine
+    with pytest.raises(EngineBrokenError, match="serves no more requests"):
+        engines.generate(PROMPTS, SamplingConfig(max_tokens=4))
+    with pytest.raises(EngineDiedError, match="every rollout engine died"):  # the client sends elsewhere: none left
+        asyncio.run(engines.client(replacement_timeout_s=1.0).generate(PROMPTS, SamplingConfig(max_tokens=4)))
+    with pytest.raises(EngineBrokenError, match="loads no more versions"):
+        ray.get(engine.update_weights.remote(8, weights), timeout=120)
+    engines.replace(0, serve_from_version=8, weights=(newest,))
+    assert {g.policy_version for g in engines.generate(PROMPTS, SamplingConfig(max_tokens=4))} == {8}
