@@ -343,8 +343,11 @@ class JobConfig:
         if refused:
             raise ConfigError(f"tenants: {refused} are not supported with tenants (each tenant has its own "
                               "tenants[i].lora; endpoint agents are single-policy for now, docs/lora.md)")
-        for index in range(len(self.tenants)):
-            self.tenant_view(index)  # each tenant's batch, prompts and agent pass the single-job checks
+        for index, tenant in enumerate(self.tenants):
+            try:
+                self.tenant_view(index)  # each tenant's batch, prompts and agent pass the single-job checks
+            except ConfigError as error:
+                raise ConfigError(f"tenants[{tenant.name}]: {error}") from error
 
     def tenant_view(self, index: int) -> "JobConfig":
         """The job as tenant `index` sees it: its agent, prompts, batch, steps and seed in the job's sections; the

@@ -280,6 +280,10 @@ def test_tenants_take_the_jobs_sections_as_defaults_and_refuse_what_they_cannot_
                        (["closed_loop.endpoint.enabled=true"], "closed_loop.endpoint.enabled")):
         with pytest.raises(ConfigError, match=rf"\['{key}'\] are not supported with tenants"):
             load_job_config(None, ["tenants=[{name: a}]", *extra])
+    # a tenant's own keys are checked as the job's would be, naming the tenant (a tenant always has prompts: it
+    # takes the job's closed_loop.prompts or dataset, which the job requires)
+    with pytest.raises(ConfigError, match=r"tenants\[b\]: closed_loop.agent='no_colon' must be an import path"):
+        load_job_config(None, ["tenants=[{name: a}, {name: b, agent: no_colon}]"])
     with pytest.raises(ConfigError, match=r"two tenants named alike: \['a', 'a'\]"):
         load_job_config(None, ["tenants=[{name: a}, {name: a}]"])
     with pytest.raises(ConfigError, match=r"tenants\[b\].global_batch_size must be an integer >= 1, got 0"):
