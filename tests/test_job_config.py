@@ -86,7 +86,7 @@ def test_lora_and_a_float_written_without_a_dot_reach_the_train_group():
          r"step_size % \(dp_size \* micro_batch_size \* mb_group\) == 0"),
         (["scheduler.batch.global_batch_size=1"], r"global_batch_size=1 rollouts is fewer than"),
         (["preset=synthetic", "scheduler.max_staleness=1"], r"one staleness bound, train.loss.off_policy"),
-        (["preset=nope"], r"preset 'nope' is unknown; pick one of \['closed_loop', 'long_tail', 'synthetic'\]"),
+        (["preset=nope"], r"preset 'nope' is unknown; pick one of \['closed_loop', 'long_tail', 'synthetic', 'tool_use'\]"),
         (["closed_loop.num_prompts=0"], r"closed_loop.num_prompts must be an integer >= 1"),
         (["closed_loop.weight_sync.dtype=bfloat16"], r"dtype=bfloat16 needs weight_sync.transport=collective"),
         (["closed_loop.weight_sync.transport=rdma"], r"transport must be object_store or collective"),
