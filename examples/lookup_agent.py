@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import random
+import weakref
 
 from openai import AsyncOpenAI
 
@@ -85,9 +86,23 @@ def make_prompts(seed: int = 0):
     return prompt
 
 
+_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""One AsyncOpenAI client per event loop (its connections belong to that loop)."""
+
+
+def session_client(base_url: str, api_key: str) -> AsyncOpenAI:
+    """A client for one rollout's session, over one HTTP client per event loop. A new `AsyncOpenAI` per rollout
+    builds a new SSL context (CA certificates loaded) each time: measured, half of a producer's CPU at 128
+    rollouts a step; `with_options` gives a client with the session's URL and key over the same connections."""
+    loop = asyncio.get_running_loop()
+    if loop not in _clients:
+        _clients[loop] = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    return _clients[loop].with_options(base_url=base_url, api_key=api_key)
+
+
 async def run(row: dict, base_url: str, api_key: str, record_path: str | None = None) -> None:
     """One rollout (async: the producer runs it on its event loop, no thread per rollout)."""
-    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    client = session_client(base_url, api_key)
     secret = str(row["secret"])
     messages = [{"role": "user", "content": QUESTION}]
 
@@ -96,28 +111,27 @@ async def run(row: dict, base_url: str, api_key: str, record_path: str | None = 
                                                          max_tokens=1)
         return response, response.choices[0].message
 
-    async with client:
-        response, message = await reply()
-        version = response.system_fingerprint  # "policy-v{N}": the policy that sampled the first reply
-        called = bool(message.tool_calls)
-        if not called:
-            reward = 1.0 if (message.content or "").strip() == secret else 0.0
-        else:
-            reward = 0.0
-            messages += [message.model_dump(exclude_none=True),
-                         {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": secret}]
-            for answer_reward in ANSWER_REWARDS:
-                _, answer = await reply()
-                text = (answer.content or "").strip() if not answer.tool_calls else ""
-                if text not in DIGITS:
-                    reward = 0.0  # a second call, or a word: no answer
-                    break
-                if text == secret:
-                    reward = answer_reward
-                    break
-                reward = CALLED_CREDIT
-                messages += [{"role": "assistant", "content": text},
-                             {"role": "user", "content": HIGHER if int(secret) > int(text) else LOWER}]
+    response, message = await reply()
+    version = response.system_fingerprint  # "policy-v{N}": the policy that sampled the first reply
+    called = bool(message.tool_calls)
+    if not called:
+        reward = 1.0 if (message.content or "").strip() == secret else 0.0
+    else:
+        reward = 0.0
+        messages += [message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": secret}]
+        for answer_reward in ANSWER_REWARDS:
+            _, answer = await reply()
+            text = (answer.content or "").strip() if not answer.tool_calls else ""
+            if text not in DIGITS:
+                reward = 0.0  # a second call, or a word: no answer
+                break
+            if text == secret:
+                reward = answer_reward
+                break
+            reward = CALLED_CREDIT
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": HIGHER if int(secret) > int(text) else LOWER}]
     if record_path is not None:
         with open(record_path, "a") as file:
             file.write(json.dumps({"version": version, "called": called, "reward": reward}) + "\n")
