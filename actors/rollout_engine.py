@@ -1012,6 +1012,21 @@ class RolloutEnginePool:
         """Each live engine's busy and idle time since it started (see `EngineUtilization`); a dead one is left out."""
         return live_results([engine.utilization.remote() for engine in self.engines], self.config.call_timeout_s)
 
+    def dead_engines(self, timeout_s: float = 10.0) -> list[str]:
+        """Names of the engines whose actor is gone (a call to them fails at once); one still starting is not dead."""
+        refs = [engine.ready.remote() for engine in self.engines]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        dead = []
+        for name, ref in zip(self.names, refs):
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.GetTimeoutError:
+                continue
+            except Exception as error:  # noqa: BLE001 - only a death counts
+                if actor_died(error):
+                    dead.append(name)
+        return dead
+
     def wait_for_weights(self, loads: list[ray.ObjectRef], timeout_s: float | None = None) -> list[WeightLoad]:
         return self._wait(loads, self.config.call_timeout_s if timeout_s is None else timeout_s, "update_weights")
 

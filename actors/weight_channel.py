@@ -14,7 +14,10 @@ channel at about the same time (each blocks until all joined, up to `timeout_s`)
 One send is: a header (policy version, plan length), the plan (`vgbs_ray.weight_buckets.WeightPlan`,
 pickled), then every bucket, each one broadcast from rank 0. A receiver allocates each bucket
 as it comes and returns views of them. `close()` on rank 0 sends a header with version -1: the
-receivers' `receive` then returns None. A dead peer makes the pending call raise.
+receivers' `receive` then returns None. A dead peer makes the pending call raise; on rank 0 a send that
+fails is a `WeightChannelError` (a receiver is gone: the engine's failure, not the trainer's), and the channel
+is done: a new one replaces it. A receiver applies a version only once every bucket of it came, so a send cut
+short leaves no receiver with a mix of two versions.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from actors.weight_sync import WeightChannelError
 from vgbs_ray.weight_buckets import WeightPlan, pack_bucket, plan_buckets, unpack_bucket
 
 _CLOSED = -1
@@ -55,10 +59,14 @@ class WeightChannel:
         """Rank 0: every tensor to every receiver, bucket by bucket; returns the bytes of weights sent."""
         plan = plan_buckets(tensors, bucket_bytes=bucket_bytes, policy_version=policy_version)
         encoded = torch.frombuffer(bytearray(pickle.dumps(plan)), dtype=torch.uint8)
-        self._broadcast(torch.tensor([policy_version, encoded.numel()], dtype=torch.int64))
-        self._broadcast(encoded)
-        for bucket in plan.buckets:
-            self._broadcast(pack_bucket(tensors, bucket, self.device))
+        try:
+            self._broadcast(torch.tensor([policy_version, encoded.numel()], dtype=torch.int64))
+            self._broadcast(encoded)
+            for bucket in plan.buckets:
+                self._broadcast(pack_bucket(tensors, bucket, self.device))
+        except RuntimeError as error:  # gloo and NCCL report a lost peer as RuntimeError (DistBackendError)
+            raise WeightChannelError(f"policy version {policy_version} could not be sent over the weight channel "
+                                     f"(a receiving engine died or left): {error}") from error
         return plan.num_bytes
 
     def receive(self) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:

@@ -35,7 +35,12 @@ import numpy as np
 import ray
 
 from actors.train_config import ModelConfig
-from vgbs_ray.errors import ConfigError
+from vgbs_ray.errors import ConfigError, VgbsError
+
+
+class WeightChannelError(VgbsError, RuntimeError):
+    """Trainer rank 0 could not send a version over the weight channel (actors/weight_channel.py): a receiving
+    engine died or left. The engine's failure, not the trainer's: the channel is replaced, the ranks go on."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,11 +175,17 @@ def send_weights(group, policy_version: int, config: WeightSyncConfig, *, includ
                  adapter: str | None = None) -> SentWeights:
     """Gather `group`'s weights on the first replica and broadcast them from rank 0 as `policy_version` (with
     LoRA: the adapters, and the base too when `include_base`). A rank that fails or dies raises `TrainStepError`
-    naming it."""
+    naming it; a receiving engine that is gone, `WeightChannelError`."""
     start = time.perf_counter()
     replica = [actor for actor, info in zip(group.actors, group.rank_infos) if info.in_first_replica]
-    results = group._gather([actor.send_weights.remote(policy_version, config.bucket_bytes, config.dtype,  # noqa: SLF001
-                                                       include_base, adapter)
-                             for actor in replica], config.timeout_s, f"send weights v{policy_version}")
+    try:
+        results = group._gather([actor.send_weights.remote(policy_version, config.bucket_bytes,  # noqa: SLF001
+                                                           config.dtype, include_base, adapter)
+                                 for actor in replica], config.timeout_s, f"send weights v{policy_version}")
+    except Exception as error:  # TrainStepError, from the rank's RayTaskError
+        cause = getattr(error.__cause__, "cause", None)  # the rank's own exception, when it raised one
+        if isinstance(cause, WeightChannelError):
+            raise cause from error  # an engine's failure: the ranks are fine
+        raise
     ((num_bytes, _),) = [r for r in results if r is not None]
     return SentWeights(policy_version, num_bytes, time.perf_counter() - start)

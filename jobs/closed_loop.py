@@ -48,7 +48,8 @@ from actors.agent_producer import PRODUCER_NAME, AgentProducerConfig, PromptSpec
 from actors.hf_checkpoint import write_hf_config
 from actors.rollout_engine import RolloutEnginePool
 from actors.shutdown import live_results, start_named, terminate
-from actors.weight_sync import WeightSyncConfig, open_weight_channel, publish_weights, send_weights
+from actors.weight_sync import (WeightChannelError, WeightSyncConfig, open_weight_channel, publish_weights,
+                                send_weights)
 
 log = logging.getLogger("vgbs.job")
 
@@ -126,7 +127,9 @@ class ClosedLoop:
     """Versions published again after a recovery restored the train group (`restore`)."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     channel_group: object = None
-    """The train group the engines' weight channel connects to (transport=collective)."""
+    """The train group the engines' weight channel connects to (transport=collective); None: a new channel first."""
+    channel_failures: int = 0
+    """Sends over the weight channel that found an engine gone (each answered by a new channel, not a recovery)."""
     producer_args: tuple = ()
     """(AgentProducerConfig, scheduler, PromptSpec): what every producer starts with (set by `launch`)."""
     launched_producers: list = field(default_factory=list)
@@ -272,14 +275,7 @@ class ClosedLoop:
         started = time.perf_counter()
         with self._lock:
             if self.weight_sync.transport == "collective":
-                new_channel = group is not self.channel_group
-                if new_channel:  # the first sync, a recovery's new group, or a replaced engine
-                    open_weight_channel(group, self.engines, self.weight_sync)
-                    self.channel_group = group
-                # with LoRA the base goes only over a new channel (which may reach an engine without it)
-                send_weights(group, policy_version, self.weight_sync, include_base=self.adapter is None or new_channel,
-                             adapter=self.adapter)
-                self.loads.append((policy_version, self.engines.weight_loads(policy_version)))
+                self._send_over_channel(group, policy_version)
             else:
                 include_base = self.adapter is None or self.base_published is None
                 self.published = publish_weights(group, policy_version, include_base=include_base,
@@ -290,6 +286,31 @@ class ClosedLoop:
             self.policy_version = policy_version
         self._collect_loads()
         return time.perf_counter() - started
+
+    def _send_over_channel(self, group, policy_version: int) -> None:
+        """Over the weight channel (caller holds the lock). A channel needs every engine: while one is dead, or when
+        the send finds one gone (`WeightChannelError`: it died during the update), nothing is sent and no train
+        rank is blamed; the engine watch replaces the engine and `catch_up` sends the newest version over a new
+        channel. The live engines keep serving the version they hold whole until then."""
+        new_channel = group is not self.channel_group
+        if new_channel:  # the first sync, a recovery's new group, or a replaced engine
+            dead = self.engines.dead_engines()
+            if dead:
+                log.info("policy version %d waits for rollout engine(s) %s to be replaced (a weight channel needs "
+                         "every engine)", policy_version, ", ".join(dead))
+                return
+            open_weight_channel(group, self.engines, self.weight_sync)
+            self.channel_group = group
+        try:  # with LoRA the base goes only over a new channel (which may reach an engine without it)
+            send_weights(group, policy_version, self.weight_sync, include_base=self.adapter is None or new_channel,
+                         adapter=self.adapter)
+        except WeightChannelError as error:
+            log.warning("%s; the engine watch replaces the engine, then this version goes again over a new channel",
+                        error)
+            self.channel_group = None
+            self.channel_failures += 1
+            return
+        self.loads.append((policy_version, self.engines.weight_loads(policy_version)))
 
     def replace_engine(self, index: int) -> int:
         """Engine `index` (dead or hung) again, on its bundle, serving from the newest published version:

@@ -123,6 +123,7 @@ def closed_loop_summary(trained: list[StepLine], reports: list, loop: ClosedLoop
         "engine_idle_share": round(loop.engine_idle_share(), 3),
         "engines": engine_summaries(loop.engines.utilization()) if loop.engines is not None else [],
         "restored_versions": loop.restored_versions,
+        "weight_channel_failures": loop.channel_failures,
         "engine_replacements": list(loop.engine_watch.replacements) if loop.engine_watch is not None else [],
         "producers": counts,
         "failed_groups": failed,

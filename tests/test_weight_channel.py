@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -137,3 +138,52 @@ def test_an_engine_synced_over_the_channel_samples_what_the_object_store_sync_gi
     expected = hf_tensors_from_full(moved, model)["model.embed_tokens.weight"].to(torch.bfloat16).float()
     assert torch.equal(embedding_in_bfloat16, expected)
     assert not torch.equal(expected, hf_tensors_from_full(moved, model)["model.embed_tokens.weight"])
+
+
+RECEIVER = """
+import sys, time
+from actors.weight_channel import WeightChannel
+channel = WeightChannel(sys.argv[1], rank=2, world_size=3, timeout_s=60)
+print(channel.receive()[0], flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_send_to_a_dead_engine_is_a_channel_error_and_no_receiver_gets_part_of_a_version():
+    """Receiver 2 (a process of its own) dies after version 1: sending version 2 raises WeightChannelError (the
+    engine's failure, which the job answers by replacing the engine, not the train group), and receiver 1 either
+    gets all of version 2 or an error, never a part of it."""
+    import subprocess
+    import sys
+
+    from actors.weight_sync import WeightChannelError
+
+    address, received = free_address(), []
+
+    def receive():
+        channel = WeightChannel(address, rank=1, world_size=3, timeout_s=20)
+        try:
+            while (version := channel.receive()) is not None:
+                received.append(version)
+        except RuntimeError:  # the channel broke under it: an engine's receiver reports it (_channel_failed)
+            pass
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    engine = subprocess.Popen([sys.executable, "-c", RECEIVER, address], stdout=subprocess.PIPE, text=True)
+    try:
+        sender = WeightChannel(address, rank=0, world_size=3, timeout_s=20)
+        named = tensors()
+        sender.send(named, policy_version=1, bucket_bytes=512)
+        assert engine.stdout.readline().strip() == "1"  # it holds version 1, then dies
+        engine.kill()
+        engine.wait(30)
+        started = time.monotonic()
+        with pytest.raises(WeightChannelError, match="policy version 2 could not be sent"):
+            sender.send(named, policy_version=2, bucket_bytes=512)
+        assert time.monotonic() - started < 10  # at once, not after the channel's timeout
+    finally:
+        engine.kill()
+    # Receiver 1 gets nothing of version 2: `receive` returns a version only once all its buckets came.
+    assert [version for version, _ in received] == [1]
+    assert all(torch.equal(tensor, named[name]) for name, tensor in received[0][1])
