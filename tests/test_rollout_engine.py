@@ -337,3 +337,58 @@ def test_a_load_that_fails_half_way_breaks_the_engine_until_it_is_replaced(syste
         ray.get(engine.update_weights.remote(8, weights), timeout=120)
     engines.replace(0, serve_from_version=8, weights=(newest,))
     assert {g.policy_version for g in engines.generate(PROMPTS, SamplingConfig(max_tokens=4))} == {8}
+
+
+def test_a_rollout_over_three_versions_whose_engine_dies_mid_turn_keeps_one_sample_of_them(system):
+    """Runs last. One rollout's token session over three versions: turn 1 at version 20; a load; turn 2 at 21;
+    then turn 3 goes to a replacement engine still waiting for version 22, which is killed with the request in it
+    (an event, not a sleep: its `requests_waiting_for_version`). The client sends the request again, under the
+    same rollout, to the next replacement, which answers at 22. The rollout is one sample: the turns' context and
+    answers, each answer's tokens labelled with the version that sampled it, valid under the contract; nothing of
+    the lost request is in it."""
+    from vgbs_ray.agents import RolloutContext
+    from vgbs_ray.sample import Sample, validate_rollout
+
+    group, engines, _, _ = system
+    client = engines.client()
+
+    async def engine_generate(token_ids, sampling):
+        (generation,) = await client.generate([list(token_ids)], sampling)
+        return generation
+
+    def next_version(version: int):
+        _train_one_step(group)
+        return publish_weights(group, version)
+
+    engines.wait_for_weights(engines.update_weights(next_version(20)))
+    ctx = RolloutContext(rollout_id="p3-r1", group_id="p3", member=1, group_size=2, engine_generate=engine_generate,
+                         default_sampling=SamplingConfig(max_tokens=4, seed=5))
+    session = ctx.token_session(PROMPTS[0])
+    answers = [asyncio.run(session.generate())]
+    engines.wait_for_weights(engines.update_weights(next_version(21)))
+    session.append([7, 8])  # the environment's reply: context
+    answers.append(asyncio.run(session.generate()))
+    session.append([9])
+
+    newest = next_version(22)
+    doomed = engines.replace(0, serve_from_version=22)  # no weights yet: a request waits inside it
+
+    async def third_turn_through_a_death():
+        turn = asyncio.ensure_future(session.generate())
+        deadline = time.monotonic() + 60
+        while not (await doomed.utilization.remote()).requests_waiting_for_version:
+            assert time.monotonic() < deadline and not turn.done(), "the request never reached the engine"
+            await asyncio.sleep(0.05)
+        ray.kill(doomed, no_restart=True)
+        await asyncio.to_thread(engines.replace, 0, serve_from_version=22, weights=(newest,))
+        return await asyncio.wait_for(turn, timeout=120)
+
+    answers.append(asyncio.run(third_turn_through_a_death()))
+    assert [a.policy_version for a in answers] == [20, 21, 22]
+    (row,) = ctx.samples()
+    sample = Sample.from_dict(dict(row, rollout_id=ctx.rollout_id, reward=1.0))  # as the producer pushes it
+    validate_rollout([sample])
+    responses = [a.response_token_ids.tolist() for a in answers]
+    assert sample.tokens.tolist() == PROMPTS[0] + responses[0] + [7, 8] + responses[1] + [9] + responses[2]
+    assert sample.policy_version_runs.tolist() == [[20, len(responses[0])], [-1, 2], [21, len(responses[1])],
+                                                   [-1, 1], [22, len(responses[2])]]
