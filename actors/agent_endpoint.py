@@ -10,6 +10,7 @@ Routes (every one needs `Authorization: Bearer <token>`, what the OpenAI client 
 
     POST /sessions/{session}/v1/chat/completions     POST /v1/chat/completions + header X-Session-Id
     POST /sessions/{session}/v1/completions          POST /v1/completions      + header X-Session-Id
+    POST /sessions/{session}/v1/responses            POST /v1/responses        + header X-Session-Id
     GET  /sessions/{session}/v1/models               POST /sessions/{session}/reward  {"reward": 1.0}
 
 A request names its rollout by the session id in its path (what a `base_url` carries), or by
@@ -93,6 +94,7 @@ class AgentEndpoint:
         for prefix, session_in in (("/sessions/{session}", "path"), ("", "header")):
             app.router.add_post(f"{prefix}/v1/chat/completions", self._handler("chat", session_in))
             app.router.add_post(f"{prefix}/v1/completions", self._handler("completion", session_in))
+            app.router.add_post(f"{prefix}/v1/responses", self._handler("responses", session_in))
             app.router.add_get(f"{prefix}/v1/models", self._handler("models", session_in))
         app.router.add_post("/sessions/{session}/reward", self._handler("reward", "path"))
         self._runner = web.AppRunner(app, access_log=None)
@@ -178,7 +180,8 @@ class AgentEndpoint:
                 rollout.report_reward(body)
                 return web.json_response({"session": session_id, "reward": body["reward"]})
             try:
-                answer = await (rollout.chat_completion(body) if kind == "chat" else rollout.completion(body))
+                answer = await {"chat": rollout.chat_completion, "completion": rollout.completion,
+                                "responses": rollout.response}[kind](body)
             except ProtocolError:
                 raise
             except Exception as error:  # noqa: BLE001 - an engine failure: this request fails, the producer decides

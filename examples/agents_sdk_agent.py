@@ -5,13 +5,15 @@
     --set closed_loop.prompts=examples.calculator_agent:make_prompts   # rows {a, b}
     --set closed_loop.agent_kwargs='{run: examples.agents_sdk_agent:run}'
 
-Ordinary Agents SDK code: an `Agent` with a `@function_tool`, run by `Runner.run` over chat completions; only
-the client's base_url and api_key come from the job. The reward: the final answer holds the right sum.
+Ordinary Agents SDK code: an `Agent` with a `@function_tool`, run by `Runner.run` over chat completions, or over
+the Responses API (`api="responses"`: the SDK's default model, `OpenAIResponsesModel`; not streamed); only the
+client's base_url and api_key come from the job. The reward: the final answer holds the right sum.
 """
 
 from __future__ import annotations
 
-from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool
+from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, RunConfig, Runner,
+                    function_tool)
 from agents.exceptions import MaxTurnsExceeded
 from openai import AsyncOpenAI
 
@@ -23,10 +25,11 @@ def add(a: int, b: int) -> int:
 
 
 async def run(row: dict, base_url: str, api_key: str, max_tokens: int = 64, max_turns: int = 3,
-              streaming: bool = False) -> float:
+              streaming: bool = False, api: str = "chat") -> float:
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    agent = Agent(name="adder", instructions="Answer with the sum. Use the add tool.", tools=[add],
-                  model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
+    model = (OpenAIResponsesModel(model="policy", openai_client=client) if api == "responses"
+             else OpenAIChatCompletionsModel(model="policy", openai_client=client))
+    agent = Agent(name="adder", instructions="Answer with the sum. Use the add tool.", tools=[add], model=model,
                   model_settings=ModelSettings(max_tokens=max_tokens))
     question, config = f"What is {row['a']} + {row['b']}?", RunConfig(tracing_disabled=True)
     try:

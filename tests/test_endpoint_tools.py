@@ -176,6 +176,47 @@ def test_malformed_tool_and_stream_fields_are_400s_naming_the_field(endpoint, fi
     endpoint.close(session)
 
 
+def test_the_responses_api_is_the_chat_path_a_call_in_its_items_trains_the_engines_own_tokens(endpoint):
+    """/v1/responses with the plain `openai` client: the call comes back as a `function_call` item, its output goes
+    back as a `function_call_output` item, and the sample is the same as over chat completions: the engine's own
+    tokens of the call, the tool result's rendering as context, one sample."""
+    engine = TextEngine([CALL, "it is 7."])
+    ctx, session = open_session(endpoint, engine, "t7-r0")
+    api = client(session)
+    tools = [{"type": "function", "name": "calc", "description": "adds two integers",
+              "parameters": CALC["function"]["parameters"]}]
+    first = api.responses.create(model="policy", input="what is 3 + 4?", instructions="Use calc.", tools=tools)
+    (call,) = first.output
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "calc", {"a": 3, "b": 4})
+    second = api.responses.create(model="policy", instructions="Use calc.", tools=tools, input=[
+        {"role": "user", "content": "what is 3 + 4?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "7"}])
+    assert second.output_text == "it is 7." and second.status == "completed"
+    (row,) = ctx.samples()
+    tool_result = engine.prompts[1][len(engine.prompts[0]) + len(engine.outputs[0]):]
+    assert row["tokens"].tolist() == engine.prompts[0] + engine.outputs[0] + tool_result + engine.outputs[1]
+    assert trained_runs(row) == engine.outputs
+    endpoint.close(session)
+
+
+@pytest.mark.parametrize("fields, param", [
+    (dict(previous_response_id="resp_1"), "previous_response_id"),
+    (dict(stream=True), "stream"),
+    (dict(text={"format": {"type": "json_schema", "name": "x", "schema": {}}}), "text"),
+    (dict(input=[{"type": "web_search_call"}]), "input[0]"),
+    (dict(tools=[{"type": "web_search"}]), "tools[0]"),
+    (dict(logit_bias={"5": 10}), "logit_bias"),
+])
+def test_responses_fields_the_endpoint_cannot_honour_are_400s_naming_the_field(endpoint, fields, param):
+    ctx, session = open_session(endpoint, TextEngine([]), "t8-r0")
+    status, body = post(f"{session.base_url}/responses",
+                        json.dumps({"model": "policy", "input": "hi", **fields}).encode(),
+                        {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    assert status == 400 and body["error"]["param"] == param, body
+    endpoint.close(session)
+
+
 def test_a_tool_result_for_no_call_of_the_session_is_a_400(endpoint):
     ctx, session = open_session(endpoint, TextEngine([]), "t5-r0")
     with pytest.raises(openai.BadRequestError) as refused:
@@ -276,14 +317,16 @@ def test_a_sync_run_that_never_returns_does_not_hold_the_process_at_exit(tmp_pat
 # -- agent frameworks, unchanged, against the endpoint (the examples' own code) ----------------------------------
 
 
-@pytest.mark.parametrize("streaming", [False, True])
-@pytest.mark.parametrize("run", ["examples.agents_sdk_agent:run", "examples.langgraph_agent:run"])
-def test_a_framework_agent_calls_the_tool_and_trains_exactly_what_the_engine_said(endpoint, run, streaming):
+@pytest.mark.parametrize("run, kwargs", [
+    ("examples.agents_sdk_agent:run", {"streaming": False}), ("examples.agents_sdk_agent:run", {"streaming": True}),
+    ("examples.agents_sdk_agent:run", {"api": "responses"}),  # the SDK's default model: /v1/responses
+    ("examples.langgraph_agent:run", {"streaming": False}), ("examples.langgraph_agent:run", {"streaming": True})])
+def test_a_framework_agent_calls_the_tool_and_trains_exactly_what_the_engine_said(endpoint, run, kwargs):
     from vgbs_ray.agents.openai_agent import make_agent
 
     engine = TextEngine(['<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>', "It is 7."])
     ctx, _ = open_session(endpoint, engine, "f1-r0")
-    agent = make_agent(run, {"streaming": streaming})
+    agent = make_agent(run, kwargs)
     future = asyncio.run_coroutine_threadsafe(agent({"a": 3, "b": 4}, ctx), endpoint.loop)
     assert future.result(timeout=60) == 1.0  # the framework ran the tool on our parsed call, then answered
     assert len(engine.prompts) == 2

@@ -3,6 +3,7 @@
     rollout = EndpointRollout(ctx)                  # ctx: the rollout's RolloutContext (its tokenizer)
     body = await rollout.chat_completion(request)   # /v1/chat/completions: an OpenAI response dict
     body = await rollout.completion(request)        # /v1/completions: a string or token-id prompt
+    body = await rollout.response(request)          # /v1/responses: the chat path, in the Responses format
     rollout.report_reward({"reward": 1.0, "metrics": {"turns": 2}})
     result = await rollout.result()                 # the AgentResult, once reported
 
@@ -43,6 +44,7 @@ from typing import Any, Sequence
 from vgbs_ray.agents.context import RolloutContext
 from vgbs_ray.agents.generation import Generation, RequestTooLongError, SamplingConfig
 from vgbs_ray.agents.rollout import TOO_LONG, AgentResult
+from vgbs_ray.agents.responses_protocol import ResponsesRequestError, chat_request, response_object
 from vgbs_ray.agents.session import TextSession, TokenSession, report_dropped
 from vgbs_ray.agents.tool_calls import ToolCallParser, ToolParserUnavailable, ToolRequest, ToolRequestError
 from vgbs_ray.errors import ConfigError, VgbsError
@@ -246,6 +248,14 @@ class EndpointRollout:
                     for token, logprob in self._token_logprobs(generation)]}
             choices.append(self._with_ids(choice, generation, body))
         return self._response("chat.completion", choices, generations, body)
+
+    async def response(self, body: dict) -> dict:
+        """/v1/responses: the chat request it means, answered as a Responses object (responses_protocol.py)."""
+        try:
+            chat_body = chat_request(body)
+        except ResponsesRequestError as error:
+            raise ProtocolError(str(error), param=error.param) from None
+        return response_object(await self.chat_completion(chat_body), body)
 
     async def completion(self, body: dict) -> dict:
         _refuse_unsupported(body, COMPLETION_FIELDS)
