@@ -15,8 +15,18 @@ as an ordinary tokenizer directory. A conversation renders as
 
     <|user|> 3 7 <|assistant|> 9 <|end|> <|user|> lower <|assistant|> 8
 
-and the chat session appends only each turn's new tokens, so the trained sample is exactly the
-ids above: the model's answers (mask 1) and everything else (mask 0, context).
+A retry is its own sample (`retry_as_new_sample`, the default): a new chat whose prompt is the whole
+conversation so far, as agents that rebuild their context for each step do (a compaction, a sub-agent's
+turn). So a rollout that needed a retry is two samples under one reward,
+
+    <|user|> 3 7 <|assistant|> 9                                      (mask 1 on 9)
+    <|user|> 3 7 <|assistant|> 9 <|end|> <|user|> lower <|assistant|> 8  (mask 1 on 8)
+
+and a step of 64 rollouts holds 64 to 128 samples, more while the policy is wrong more often: the
+variable batch the project is for. The loss weighs a rollout's tokens as one mean over all its samples,
+so the gradient is the one the single-sample chat gives (`retry_as_new_sample=False`: one session that
+appends only each turn's new tokens, the ids above in one sample): the model's answers (mask 1) and
+everything else (mask 0, context).
 """
 
 from __future__ import annotations
@@ -77,8 +87,10 @@ def make_prompts(seed: int, min_digits: int = 1, max_digits: int = 3, rule: str 
     return prompt
 
 
-def make_agent(turn_rewards: tuple[float, ...] = (1.0, 0.5), rule: str = "successor_of_last"):
-    """The agent: one answer token per turn, feedback after a wrong one, `len(turn_rewards)` turns."""
+def make_agent(turn_rewards: tuple[float, ...] = (1.0, 0.5), rule: str = "successor_of_last",
+               retry_as_new_sample: bool = True):
+    """The agent: one answer token per turn, feedback after a wrong one, `len(turn_rewards)` turns; each retry a
+    sample of its own (see module docstring) unless `retry_as_new_sample` is false."""
     if rule not in RULES:
         raise ValueError(f"rule={rule!r} is unknown; pick one of {sorted(RULES)}")
     turn_rewards = tuple(float(r) for r in turn_rewards)
@@ -95,6 +107,8 @@ def make_agent(turn_rewards: tuple[float, ...] = (1.0, 0.5), rule: str = "succes
             if turn + 1 < len(turn_rewards):
                 feedback = ("not-digit" if answer not in DIGITS else "higher" if expected > int(answer) else "lower")
                 chat.messages.append({"role": "user", "content": feedback})
+                if retry_as_new_sample:  # the next turn is a new sample whose prompt is the whole conversation
+                    chat = ctx.chat(chat.messages)
         return AgentResult(reward=0.0, metrics={"turns": len(turn_rewards)})
 
     return agent

@@ -88,7 +88,7 @@ def read_records(path: str) -> list[dict]:
 
 
 def plot_records(records: list[dict], path: str) -> None:
-    """Rollouts per step (bars, partial steps orange), loss, reward (trained and, in the closed loop,
+    """Rollouts per step (bars, partial steps orange) and samples (a line), loss, reward (trained and, in the closed loop,
     sampled) and, when recorded, staleness (mean and max) over steps, as a PNG."""
     import matplotlib
 
@@ -101,9 +101,11 @@ def plot_records(records: list[dict], path: str) -> None:
     fig, axes = plt.subplots(rows, 1, figsize=(7, 2.2 * rows), sharex=True)
     top, middle, bottom = axes[:3]
     colors = ["tab:orange" if r["partial"] else "tab:blue" for r in records]
-    top.bar(steps, [r["num_rollouts"] for r in records], color=colors)
-    top.set_ylabel("rollouts")
-    top.set_title("rollouts per step (blue: full step, orange: partial step)")
+    top.bar(steps, [r["num_rollouts"] for r in records], color=colors, label="rollouts")
+    top.plot(steps, [r["num_samples"] for r in records], color="black", linewidth=1, label="samples")
+    top.set_ylabel("per step")
+    top.set_title("rollouts per step (blue: full step, orange: partial), samples (line)")
+    top.legend(loc="upper right", fontsize=8)
     middle.plot(steps, [r["loss"] for r in records], marker="o", markersize=3, color="tab:red")
     middle.set_ylabel("loss")
     bottom.plot(steps, [r["reward"] for r in records], marker="s", markersize=3, color="tab:green",

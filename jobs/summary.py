@@ -76,6 +76,7 @@ def summarize(stats, trained: list[StepLine], elapsed_s: float, controller: Trai
     return {
         "steps": len(trained),
         "rollouts_per_step": [line.num_rollouts for line in trained],
+        "samples_per_step": [line.num_samples for line in trained],
         "rollouts_trained": rollouts,
         "rollouts_by_state": stats.ledger.rollouts_by_state,
         "dropped_by_reason": stats.ledger.dropped_by_reason,

@@ -34,6 +34,10 @@ def assert_the_demo_learned(history: list[dict], summary: dict, max_staleness: i
     assert last >= 0.8, f"mean sampled reward {last:.2f} over the last {WINDOW} steps; 10-step means: {curve}"
     assert last >= first + 0.3, curve
 
+    # The variable batch: every step 64 rollouts, its samples more while retries (a sample each) are common.
+    samples = [r["num_samples"] for r in history]
+    assert all(r["num_samples"] >= r["num_rollouts"] for r in history)
+    assert mean(samples[:WINDOW]) > mean(samples[-WINDOW:]) + 10, samples
     assert summary["closed_loop"]["failed_groups"] == {}  # the digit agent never fails
     assert 1.0 <= summary["closed_loop"]["agent_metrics"]["turns"] <= 2.0
     assert summary["dropped_by_reason"].get("uniform_group_reward", 0) > 0  # dynamic sampling filtered groups

@@ -124,18 +124,21 @@ def test_a_producer_pushes_whole_token_exact_groups_from_a_dataset(scheduler):
     states = held_rollouts(scheduler)
     assert {rid.rsplit("-r", 1)[0] for rid in states} == {f"e0-row{i}" for i in range(5)}
     stats = ray.get(scheduler.stats.remote(), timeout=30)
-    assert stats.accepted_samples == report.samples == 20  # an append-only chat is one sample per rollout
+    # a rollout is one sample per turn (the digit agent's retry is a sample of its own)
+    assert stats.accepted_samples == report.samples == round(20 * report.agent_metrics["turns"]) > 20
     ray.kill(actor)
 
 
-def test_the_samples_are_the_chat_tokens_the_engine_saw_and_said(scheduler):
-    """The stand-in's answers (mask 1) between the digit tokenizer's renderings (mask 0), in order."""
+@pytest.mark.parametrize("retry_as_new_sample", [True, False])
+def test_the_samples_are_the_chat_tokens_the_engine_saw_and_said(scheduler, retry_as_new_sample):
+    """The stand-in's answers (mask 1) between the digit tokenizer's renderings (mask 0), in order: a retry is a
+    second sample whose prompt is the whole conversation, or (retry_as_new_sample=False) one appended sample."""
     from vgbs_ray.agents import RolloutContext, load_agent
 
     tokenizer = build_tokenizer()
     engine = StandInEngine.remote(policy_version=0)
     client = EngineClient([engine], ["stand-in"])
-    agent = load_agent("examples.digit_agent:make_agent")
+    agent = load_agent("examples.digit_agent:make_agent", {"retry_as_new_sample": retry_as_new_sample})
 
     async def generate(ids, sampling):
         (generation,) = await client.generate([ids], [sampling])
@@ -144,11 +147,19 @@ def test_the_samples_are_the_chat_tokens_the_engine_saw_and_said(scheduler):
     ctx = RolloutContext(rollout_id="x-r1", group_id="x", member=1, group_size=2, engine_generate=generate,
                          tokenizer=tokenizer, seed=1)  # seed 1: the first request's seed is odd, wrong at once
     result = asyncio.run(agent({"digits": [3, 7]}, ctx))
-    (row,) = ctx.samples()
-    text = tokenizer.decode(row["tokens"].tolist())
-    assert text.startswith("<|user|> 3 7 <|assistant|>") and " <|end|> <|user|> " in text
-    assert row["loss_mask"].tolist() == [1, 0, 0, 0, 0, 1]  # answer, <|end|> <|user|> feedback <|assistant|>, answer
     assert result.metrics == {"turns": 2}
+    rows = ctx.samples()
+    whole = rows[-1]["tokens"].tolist()  # either way the last sample holds the whole conversation
+    text = tokenizer.decode(whole)
+    assert text.startswith("<|user|> 3 7 <|assistant|>") and " <|end|> <|user|> " in text
+    if retry_as_new_sample:
+        first, second = rows
+        assert first["loss_mask"].tolist() == [1] and second["loss_mask"].tolist() == [1]
+        assert whole[:len(first["tokens"])] == first["tokens"].tolist()  # the first answer is the retry's context
+        assert len(whole) == len(first["tokens"]) + 4 + 1  # <|end|> <|user|> feedback <|assistant|>, answer
+    else:
+        (row,) = rows
+        assert row["loss_mask"].tolist() == [1, 0, 0, 0, 0, 1]  # answer, <|end|> <|user|> feedback <|assistant|>, answer
 
 
 def test_stop_abandons_groups_in_flight_and_a_resumed_producer_pushes_each_prompt_once(scheduler):
