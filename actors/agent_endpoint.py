@@ -40,6 +40,7 @@ from aiohttp import web
 
 from vgbs_ray.agents.context import RolloutContext
 from vgbs_ray.agents.openai_protocol import EndpointRollout, EndpointSession, ProtocolError, stream_chunks
+from vgbs_ray.agents.responses_protocol import response_events
 from vgbs_ray.agents.tool_calls import ToolCallParser
 from vgbs_ray.errors import ConfigError
 
@@ -190,6 +191,8 @@ class AgentEndpoint:
                 return web.json_response({"error": {"message": f"the engines failed: {error!r}", "type": "api_error",
                                                     "param": None, "code": None}}, status=503)
             headers = {ROLLOUT_HEADER: str(rollout.context.rollout_id)}
+            if body.get("stream") and kind == "responses":
+                return await _stream(request, response_events(answer), headers, named_events=True)
             if body.get("stream"):
                 return await _stream(request, stream_chunks(answer, (body.get("stream_options") or {}).get(
                     "include_usage", False)), headers)
@@ -198,15 +201,19 @@ class AgentEndpoint:
         return handle
 
 
-async def _stream(request: web.Request, chunks: list[dict], headers: dict) -> web.StreamResponse:
-    """Server-sent events: one `data:` line per chunk, then `data: [DONE]`. A client gone mid-stream changes
-    nothing: the generation was recorded before the first chunk."""
+async def _stream(request: web.Request, chunks: list[dict], headers: dict, *, named_events: bool = False
+                  ) -> web.StreamResponse:
+    """Server-sent events: one `data:` line per chunk, then `data: [DONE]` (chat and completions); with
+    `named_events` (the Responses API), each event's `event:` line is its type and no [DONE] follows. A client
+    gone mid-stream changes nothing: the generation was recorded before the first chunk."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     await response.prepare(request)
     try:
         for chunk in chunks:
-            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        await response.write(b"data: [DONE]\n\n")
+            named = f"event: {chunk['type']}\n" if named_events else ""
+            await response.write(f"{named}data: {json.dumps(chunk)}\n\n".encode())
+        if not named_events:
+            await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
     except (ConnectionResetError, ConnectionError):
         log.info("a client closed its stream early; its generation is recorded")

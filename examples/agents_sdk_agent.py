@@ -6,7 +6,7 @@
     --set closed_loop.agent_kwargs='{run: examples.agents_sdk_agent:run}'
 
 Ordinary Agents SDK code: an `Agent` with a `@function_tool`, run by `Runner.run` over chat completions, or over
-the Responses API (`api="responses"`: the SDK's default model, `OpenAIResponsesModel`; not streamed); only the
+the Responses API (`api="responses"`: the SDK's default model, `OpenAIResponsesModel`), streamed or not; only the
 client's base_url and api_key come from the job. The reward: the final answer holds the right sum.
 """
 

@@ -180,7 +180,7 @@ def test_the_responses_api_is_the_chat_path_a_call_in_its_items_trains_the_engin
     """/v1/responses with the plain `openai` client: the call comes back as a `function_call` item, its output goes
     back as a `function_call_output` item, and the sample is the same as over chat completions: the engine's own
     tokens of the call, the tool result's rendering as context, one sample."""
-    engine = TextEngine([CALL, "it is 7."])
+    engine = TextEngine([CALL, "it is 7.", "it is 7."])
     ctx, session = open_session(endpoint, engine, "t7-r0")
     api = client(session)
     tools = [{"type": "function", "name": "calc", "description": "adds two integers",
@@ -193,16 +193,23 @@ def test_the_responses_api_is_the_chat_path_a_call_in_its_items_trains_the_engin
         {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
         {"type": "function_call_output", "call_id": call.call_id, "output": "7"}])
     assert second.output_text == "it is 7." and second.status == "completed"
-    (row,) = ctx.samples()
+    streamed = list(api.responses.create(model="policy", instructions="Use calc.", tools=tools, stream=True, input=[
+        {"role": "user", "content": "what is 3 + 4?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "7"}]))
+    assert [e.type for e in streamed][:2] == ["response.created", "response.in_progress"]
+    assert streamed[-1].type == "response.completed" and streamed[-1].response.output_text == "it is 7."
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == "it is 7."
+    row, again = ctx.samples()  # the streamed request sent the same history again: a new sample of the rollout
     tool_result = engine.prompts[1][len(engine.prompts[0]) + len(engine.outputs[0]):]
     assert row["tokens"].tolist() == engine.prompts[0] + engine.outputs[0] + tool_result + engine.outputs[1]
-    assert trained_runs(row) == engine.outputs
+    assert trained_runs(row) == engine.outputs[:2]
+    assert again["tokens"].tolist() == engine.prompts[1] + engine.outputs[2] and engine.prompts[2] == engine.prompts[1]
     endpoint.close(session)
 
 
 @pytest.mark.parametrize("fields, param", [
     (dict(previous_response_id="resp_1"), "previous_response_id"),
-    (dict(stream=True), "stream"),
     (dict(text={"format": {"type": "json_schema", "name": "x", "schema": {}}}), "text"),
     (dict(input=[{"type": "web_search_call"}]), "input[0]"),
     (dict(tools=[{"type": "web_search"}]), "tools[0]"),
@@ -320,6 +327,7 @@ def test_a_sync_run_that_never_returns_does_not_hold_the_process_at_exit(tmp_pat
 @pytest.mark.parametrize("run, kwargs", [
     ("examples.agents_sdk_agent:run", {"streaming": False}), ("examples.agents_sdk_agent:run", {"streaming": True}),
     ("examples.agents_sdk_agent:run", {"api": "responses"}),  # the SDK's default model: /v1/responses
+    ("examples.agents_sdk_agent:run", {"api": "responses", "streaming": True}),
     ("examples.langgraph_agent:run", {"streaming": False}), ("examples.langgraph_agent:run", {"streaming": True})])
 def test_a_framework_agent_calls_the_tool_and_trains_exactly_what_the_engine_said(endpoint, run, kwargs):
     from vgbs_ray.agents.openai_agent import make_agent

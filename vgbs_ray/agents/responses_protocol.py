@@ -15,8 +15,9 @@ assistant message with those `tool_calls` (their `call_id` is the id this endpoi
 
 Stateless, as the chat path is: every request sends its whole input (`previous_response_id` and `conversation`
 are refused, naming the field: the OpenAI Agents SDK sends the whole input unless told otherwise), `store` is
-accepted and nothing is stored. `stream: true` is refused (use chat completions to stream: the SDK's
-`OpenAIChatCompletionsModel`); fields that would change the sampled distribution are refused as on chat.
+accepted and nothing is stored; fields that would change the sampled distribution are refused as on chat.
+`stream: true` answers the Responses event stream (`response_events`: created, each output item added, its text
+or arguments as one delta, done, completed) once the generation is complete, as chat streams are.
 """
 
 from __future__ import annotations
@@ -30,8 +31,7 @@ from vgbs_ray.errors import VgbsError
 RESPONSES_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
                     "max_output_tokens", "temperature", "top_p", "stream", "store", "metadata", "user", "include",
                     "truncation", "text", "reasoning", "service_tier", "previous_response_id", "conversation"}
-"""Fields a Responses request may carry; of these, `previous_response_id`, `conversation` and `stream: true` are
-refused, `include`, `store`, `metadata`, `user`, `service_tier`, `truncation: disabled` and `reasoning` (the model
+"""Fields a Responses request may carry; of these, `previous_response_id` and `conversation` are refused, `include`, `store`, `metadata`, `user`, `service_tier`, `truncation: disabled` and `reasoning` (the model
 has no reasoning effort to set) are accepted and ignored."""
 _PASSED = {"model": "model", "temperature": "temperature", "top_p": "top_p", "max_output_tokens": "max_tokens",
            "parallel_tool_calls": "parallel_tool_calls", "metadata": "metadata", "user": "user"}
@@ -55,9 +55,6 @@ def chat_request(body: dict) -> dict:
         if body.get(field) is not None:
             raise ResponsesRequestError(f"{field}: this endpoint stores no responses; send the whole input each "
                                         "request", field)
-    if body.get("stream"):
-        raise ResponsesRequestError("stream: /v1/responses answers whole responses only; stream over "
-                                    "/v1/chat/completions (the Agents SDK's OpenAIChatCompletionsModel)", "stream")
     if body.get("truncation") not in (None, "disabled"):
         raise ResponsesRequestError(f"truncation={body['truncation']!r}: only 'disabled' (a conversation longer "
                                     "than the engine takes is refused, never cut)", "truncation")
@@ -105,6 +102,37 @@ def response_object(answer: dict, body: dict) -> dict:
         if extension in answer:
             response[extension] = answer[extension]
     return response
+
+
+def response_events(response: dict) -> list[dict]:
+    """The Responses API's server-sent events for a whole `response` (its `type` is each event's name): created,
+    in progress, then per output item: added, its text (a content part) or its arguments as one delta and done,
+    the item done; then completed."""
+    events: list[dict] = []
+
+    def emit(kind: str, **fields) -> None:
+        events.append({"type": kind, "sequence_number": len(events), **fields})
+
+    opening = dict(response, status="in_progress", output=[], usage=None)
+    emit("response.created", response=opening)
+    emit("response.in_progress", response=opening)
+    for index, item in enumerate(response["output"]):
+        where = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "message":
+            emit("response.output_item.added", output_index=index, item=dict(item, status="in_progress", content=[]))
+            (part,) = item["content"]
+            emit("response.content_part.added", **where, content_index=0, part=dict(part, text=""))
+            emit("response.output_text.delta", **where, content_index=0, delta=part["text"], logprobs=[])
+            emit("response.output_text.done", **where, content_index=0, text=part["text"], logprobs=[])
+            emit("response.content_part.done", **where, content_index=0, part=part)
+        else:  # function_call
+            emit("response.output_item.added", output_index=index, item=dict(item, status="in_progress",
+                                                                             arguments=""))
+            emit("response.function_call_arguments.delta", **where, delta=item["arguments"])
+            emit("response.function_call_arguments.done", **where, arguments=item["arguments"], name=item["name"])
+        emit("response.output_item.done", output_index=index, item=item)
+    emit("response.completed" if response["status"] == "completed" else "response.incomplete", response=response)
+    return events
 
 
 def _messages(items: Any) -> list[dict]:
