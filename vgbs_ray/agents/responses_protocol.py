@@ -31,8 +31,9 @@ from vgbs_ray.errors import VgbsError
 RESPONSES_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
                     "max_output_tokens", "temperature", "top_p", "stream", "store", "metadata", "user", "include",
                     "truncation", "text", "reasoning", "service_tier", "previous_response_id", "conversation"}
-"""Fields a Responses request may carry; of these, `previous_response_id` and `conversation` are refused, `include`, `store`, `metadata`, `user`, `service_tier`, `truncation: disabled` and `reasoning` (the model
-has no reasoning effort to set) are accepted and ignored."""
+"""Fields a Responses request may carry; of these, `previous_response_id` and `conversation` are refused; `include`,
+`store`, `metadata`, `user`, `service_tier`, `truncation: disabled` and `reasoning` (the model has no reasoning
+effort to set) are accepted and ignored."""
 _PASSED = {"model": "model", "temperature": "temperature", "top_p": "top_p", "max_output_tokens": "max_tokens",
            "parallel_tool_calls": "parallel_tool_calls", "metadata": "metadata", "user": "user"}
 """Responses field -> the chat field it becomes."""
@@ -58,7 +59,8 @@ def chat_request(body: dict) -> dict:
     if body.get("truncation") not in (None, "disabled"):
         raise ResponsesRequestError(f"truncation={body['truncation']!r}: only 'disabled' (a conversation longer "
                                     "than the engine takes is refused, never cut)", "truncation")
-    text_format = ((body.get("text") or {}).get("format") or {}).get("type", "text")
+    text = body.get("text") or {}
+    text_format = (text.get("format") or {}).get("type", "text") if isinstance(text, dict) else text
     if text_format != "text":
         raise ResponsesRequestError(f"text.format.type={text_format!r} would constrain the sampled distribution "
                                     "(as response_format on chat): only 'text'", "text")
