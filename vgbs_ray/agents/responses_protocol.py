@@ -59,8 +59,7 @@ def chat_request(body: dict) -> dict:
     if body.get("truncation") not in (None, "disabled"):
         raise ResponsesRequestError(f"truncation={body['truncation']!r}: only 'disabled' (a conversation longer "
                                     "than the engine takes is refused, never cut)", "truncation")
-    text = body.get("text") or {}
-    text_format = (text.get("format") or {}).get("type", "text") if isinstance(text, dict) else text
+    text_format = _text_format(body.get("text"))
     if text_format != "text":
         raise ResponsesRequestError(f"text.format.type={text_format!r} would constrain the sampled distribution "
                                     "(as response_format on chat): only 'text'", "text")
@@ -172,6 +171,15 @@ def _messages(items: Any) -> list[dict]:
             raise ResponsesRequestError(f"{where}: input items of type {kind!r} are not supported (message, "
                                         "function_call, function_call_output)", where)
     return messages
+
+
+def _text_format(text: Any) -> Any:
+    """`text.format.type`, "text" where absent; the malformed field itself where it is not an object."""
+    if text is None or (isinstance(text, dict) and text.get("format") is None):
+        return "text"
+    if not isinstance(text, dict) or not isinstance(text["format"], dict):
+        return text if not isinstance(text, dict) else text["format"]
+    return text["format"].get("type", "text")
 
 
 def _text(content: Any, where: str) -> str:
