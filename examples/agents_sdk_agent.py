@@ -15,7 +15,8 @@ from __future__ import annotations
 from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, RunConfig, Runner,
                     function_tool)
 from agents.exceptions import MaxTurnsExceeded
-from openai import AsyncOpenAI
+
+from vgbs_ray.agents.openai_agent import async_openai_client
 
 
 @function_tool
@@ -26,7 +27,7 @@ def add(a: int, b: int) -> int:
 
 async def run(row: dict, base_url: str, api_key: str, max_tokens: int = 64, max_turns: int = 3,
               streaming: bool = False, api: str = "chat") -> float:
-    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    client = async_openai_client(base_url, api_key)  # an AsyncOpenAI; one per rollout would cost an SSL context each
     model = (OpenAIResponsesModel(model="policy", openai_client=client) if api == "responses"
              else OpenAIChatCompletionsModel(model="policy", openai_client=client))
     agent = Agent(name="adder", instructions="Answer with the sum. Use the add tool.", tools=[add], model=model,

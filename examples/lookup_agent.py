@@ -21,7 +21,8 @@ JSON / `</tool_call>`, with credit per right token, took ~130 steps to be 90% of
 the one word; where the turn also had to end with `<|end|>`, runs collapsed after the first two tokens.) The engine's token is real output; the endpoint decodes it and vLLM's parser reads the call from
 that text, as for any hermes model.
 
-Nothing here imports the project but `report_reward` (a POST to the session's reward URL, with the metric).
+Nothing here imports the project but `async_openai_client` (one `AsyncOpenAI` per process, pointed at each
+rollout's session) and `report_reward` (a POST to the session's reward URL, with the metric).
 """
 
 from __future__ import annotations
@@ -30,11 +31,8 @@ import argparse
 import asyncio
 import json
 import random
-import weakref
 
-from openai import AsyncOpenAI
-
-from vgbs_ray.agents.openai_agent import report_reward
+from vgbs_ray.agents.openai_agent import async_openai_client, report_reward
 
 DIGITS = [str(d) for d in range(10)]
 CALL = '<tool_call>{"name":"lookup","arguments":{}}</tool_call>'
@@ -86,23 +84,9 @@ def make_prompts(seed: int = 0):
     return prompt
 
 
-_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""One AsyncOpenAI client per event loop (its connections belong to that loop)."""
-
-
-def session_client(base_url: str, api_key: str) -> AsyncOpenAI:
-    """A client for one rollout's session, over one HTTP client per event loop. A new `AsyncOpenAI` per rollout
-    builds a new SSL context (CA certificates loaded) each time: measured, half of a producer's CPU at 128
-    rollouts a step; `with_options` gives a client with the session's URL and key over the same connections."""
-    loop = asyncio.get_running_loop()
-    if loop not in _clients:
-        _clients[loop] = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    return _clients[loop].with_options(base_url=base_url, api_key=api_key)
-
-
 async def run(row: dict, base_url: str, api_key: str, record_path: str | None = None) -> None:
     """One rollout (async: the producer runs it on its event loop, no thread per rollout)."""
-    client = session_client(base_url, api_key)
+    client = async_openai_client(base_url, api_key)  # one HTTP client per process, not one per rollout
     secret = str(row["secret"])
     messages = [{"role": "user", "content": QUESTION}]
 

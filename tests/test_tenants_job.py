@@ -1,8 +1,9 @@
 """A multi-LoRA job (jobs/tenants.py): three tenants over one base, one train group and one engine pool, stopped
 after two steps each and resumed to four, a train rank killed on the way.
 
-`short` runs the digit agent (one sample per rollout), `long` asks each rollout's question four times (four
-samples per rollout, its own rank-4 adapter), `broken` raises on every rollout. Checked: `short` and `long` each
+`short` runs the digit agent with its retry appended to the first sample (one sample per rollout), `long` asks
+each rollout's question four times (four samples per rollout, its own rank-4 adapter), `broken` raises on every
+rollout. Checked: `short` and `long` each
 train their steps, each step counted in its own tenant's rollouts (16 each, whatever their samples), neither
 gets more steps for its samples, and their records carry their own policy versions; `broken` ends alone, failed,
 naming why, while the others go on; each tenant's adapter is written as PEFT files that `peft` reads. The
@@ -25,7 +26,7 @@ from jobs.train import train
 
 pytestmark = pytest.mark.slow  # engines, a train group and three tenants' producers, twice: about two minutes
 
-TENANTS = ("[{name: short, global_batch_size: 16}, "
+TENANTS = ("[{name: short, global_batch_size: 16, agent_kwargs: {retry_as_new_sample: false}}, "
            "{name: long, global_batch_size: 16, agent: 'tests.agent_support:make_repeated_agent', "
            "agent_kwargs: {samples: 4}, lora: {rank: 4, target_modules: [q_proj, v_proj]}}, "
            "{name: broken, num_prompts: 2, agent: 'tests.agent_support:make_failing_agent'}]")
