@@ -24,12 +24,11 @@ as one call (`_Batcher`), so a group costs one Ray call per turn, as a batched d
 call streams each request's generation back as it finishes, so a member's short turn is not held
 until the group's longest one ends.
 
-Invariants:
-- Rollout ids are `{prompt key}-r{member}`: a pure function of the prompt's position, so a
-  producer resumed from `cursor()` regenerates exactly the groups not pushed, with the same ids
-  (the scheduler rejects a re-pushed duplicate; `admit` names the ids it holds and they are skipped).
-- `cursor()` is the oldest of this producer's own positions drawn but not yet settled (pushed or
-  failed), or the next undrawn one.
+The bookkeeping (prompt cursor, open groups, counts, reports) is `vgbs_ray.producer_core.ProducerCore`,
+Ray-free and tested in milliseconds; this actor keeps the awaits. Invariants:
+- Rollout ids are `{prompt key}-r{member}` and `cursor()` is the oldest own position not yet settled
+  (the core's), so a producer resumed from `cursor()` regenerates exactly the groups not pushed, with the
+  same ids (the scheduler rejects a re-pushed duplicate; `admit` names the ids it holds and they are skipped).
 - A group is pushed whole or not at all (but for `sample_push_fraction`'s groups, whose rollouts
   a stopped or killed producer may leave partly pushed: they end `incomplete_rollout`); a stopped
   producer abandons its unpushed groups and tells the scheduler (`abandon`), so
@@ -47,7 +46,6 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
 import ray
 
 from actors.agent_endpoint import AgentEndpoint, listen_address
@@ -56,8 +54,8 @@ from actors.rollout_engine import EngineError
 from vgbs_ray.agents import RequestTooLongError, RolloutContext, SamplingConfig, load_agent, resolve, run_group
 from vgbs_ray.agents.sample_record import SampleRecord
 from vgbs_ray.checkpoint_files import load_tokenizer
-from vgbs_ray.errors import ConfigError
-from vgbs_ray.prompt_source import DatasetPrompts, GeneratedPrompts, producer_positions, source_length
+from vgbs_ray.producer_core import AgentProducerConfig, AgentProducerReport, Group, ProducerCore, member_seed
+from vgbs_ray.prompt_source import DatasetPrompts, GeneratedPrompts, source_length
 
 log = logging.getLogger("vgbs.producer")
 
@@ -96,121 +94,6 @@ class PromptSpec:
         if self.num_prompts is None:
             return length
         return self.num_prompts if length is None else min(length, self.num_prompts)
-
-
-@dataclass(frozen=True, kw_only=True)
-class AgentProducerConfig:
-    """One producer's settings (the job builds it from its `closed_loop` section)."""
-
-    agent: str
-    """Import path of the agent factory, e.g. 'my_pkg.agents:make_agent'."""
-    agent_kwargs: dict = field(default_factory=dict)
-    group_size: int = 8
-    """Rollouts per prompt row (GRPO group)."""
-    groups_in_flight: int = 8
-    """Groups this producer runs concurrently (each is admitted before it starts)."""
-    num_producers: int = 1
-    """Producers splitting the prompt source (this one takes every num_producers-th position)."""
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    """What a request without its own SamplingConfig uses."""
-    timeout_s: float = 300.0
-    """Seconds one rollout (one agent call) may take before it is lost as `agent_timeout`."""
-    tokenizer_dir: str | None = None
-    """A Hugging Face tokenizer directory for chat sessions (None: token-id-only agents)."""
-    max_sequence_length: int | None = None
-    """The model's longest sample in tokens: a longer rollout is lost as `too_long`."""
-    max_prompts: int | None = None
-    """Prompts this producer answers before `run` returns; None = until the source ends or `stop()`."""
-    seed: int = 0
-    """Sampling seeds derive from it, the prompt position and the member."""
-    endpoint_host: str | None = None
-    """'loopback' or 'node': serve the OpenAI-compatible endpoint there (actors/agent_endpoint.py), every rollout
-    with its own session (ctx.endpoint); None: no endpoint."""
-    endpoint_token: str | None = None
-    """The token every endpoint request must carry (the job makes one per run)."""
-    tool_parser: str | None = None
-    """The vLLM tool parser the endpoint parses replies to requests with `tools` with (None: tools are refused)."""
-    record_samples_dir: str | None = None
-    """Append every pushed rollout's samples (ids, mask, versions) to producer-<index>.jsonl in this directory
-    (vgbs_ray/agents/sample_record.py); None: no record."""
-    sample_push_fraction: float = 0.0
-    """Share of groups pushed one sample per submit call (see module docstring). Their rollouts are pushed
-    again whole by a resumed producer and the scheduler rejects the samples it holds, so the agent must
-    give the same samples on every run (the synthetic agent does)."""
-    admit_retry_s: float = 0.05
-    """Seconds between reads of the engines' version while a refused group waits for a newer one (one read per
-    producer serves all of its workers: actors/engine_version_watch.py)."""
-    admit_recheck_s: float = 0.5
-    """A refused group asks the scheduler again after this long even if the engines' version did not change
-    (other rollouts dropped or abandoned may have freed room in the staleness window)."""
-
-    def __post_init__(self):
-        for name in ("group_size", "groups_in_flight", "num_producers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"AgentProducerConfig.{name} must be an integer >= 1, got {value!r}")
-        if self.timeout_s <= 0 or self.admit_retry_s <= 0 or self.admit_recheck_s < self.admit_retry_s:
-            raise ConfigError(f"AgentProducerConfig: timeout_s and admit_retry_s must be > 0 seconds and admit_recheck_s "
-                              f">= admit_retry_s, got {self.timeout_s}, {self.admit_retry_s}, {self.admit_recheck_s}")
-        if self.endpoint_host is not None and not self.endpoint_token:
-            raise ConfigError("AgentProducerConfig: an endpoint (endpoint_host) needs endpoint_token")
-        if not 0 <= self.sample_push_fraction <= 1:
-            raise ConfigError(f"AgentProducerConfig.sample_push_fraction must be in [0, 1], got "
-                              f"{self.sample_push_fraction}")
-        if self.max_prompts is not None and self.max_prompts < 0:
-            raise ConfigError(f"AgentProducerConfig.max_prompts must be >= 0 or None, got {self.max_prompts}")
-
-
-@dataclass(frozen=True)
-class AgentProducerReport:
-    """What one producer did (times in seconds, summed over its workers)."""
-
-    agent: int
-    """This producer's index."""
-    groups: int
-    """Groups wholly pushed (accepted, rejected or filtered by the scheduler)."""
-    rollouts: int
-    samples: int
-    failed_groups: dict
-    """Groups an agent lost, by drop reason."""
-    deferred_retries: int
-    rejected_samples: int
-    abandoned_rollouts: int
-    """Rollouts of groups started but not pushed when `stop()` came."""
-    not_admitted: int
-    """Admission refusals (each followed by a wait and a new request)."""
-    skipped_known_groups: int
-    """Groups not run because the scheduler already held all their rollouts (a resumed run)."""
-    engine_wait_s: float
-    """Awaiting the engines' generate."""
-    idle_s: float
-    """Awaiting admission or a deferred push's retry (not sampling)."""
-    mean_reward: float | None
-    """Over every pushed rollout (filtered groups included): the sampling policy's reward."""
-    agent_metrics: dict
-    """Mean of each metric the agents reported, over the pushed rollouts that reported it."""
-    agent_metric_counts: dict
-    """Pushed rollouts that reported each metric."""
-    endpoint_outcomes: dict
-    """Endpoint tool-call parse outcomes (`tool_calls/<outcome>`) and new samples (a request extending no held conversation), counted."""
-    stopped: bool
-    in_flight: int
-    """Prompts a worker is answering at the time of the report."""
-    awaiting_engine: int
-    """Of those: prompts with a request at the engines at the time of the report."""
-    awaiting_requests: int
-    """Their requests at the engines (a group's members each send their own)."""
-    endpoint_refused: int
-    """Endpoint requests answered with a 4xx, other than those to an ended session (0 without an endpoint)."""
-    endpoint_after_end: int
-    """Endpoint requests to a session that had ended (an agent still running after its group ended)."""
-    cursor: dict
-
-
-def pushes_samples_one_by_one(seed: int, position: int, sample_push_fraction: float) -> bool:
-    """Whether the group at this prompt position is pushed one sample per call: a pure function, so a
-    resumed producer pushes each group as the first run did."""
-    return sample_push_fraction > 0 and np.random.default_rng([seed, position, 17]).random() < sample_push_fraction
 
 
 class _Batcher:
@@ -280,32 +163,16 @@ class AgentProducer:
                  cursor: dict | None = None):
         self._index, self._config, self._scheduler, self._engines = index, config, scheduler, engines
         self._agent = load_agent(config.agent, config.agent_kwargs)
-        self._source = prompts.build()
+        source = prompts.build()
+        self._core = ProducerCore(index, config, source, length=prompts.length(source), cursor=cursor)
         self._tokenizer = load_tokenizer(config.tokenizer_dir) if config.tokenizer_dir is not None else None
         self._sampling = config.sampling
         eos = getattr(self._tokenizer, "eos_token_id", None)
         if eos is not None and not self._sampling.stop_token_ids:  # the tokenizer's end of turn ends a reply
             self._sampling = replace(self._sampling, stop_token_ids=(int(eos),))
-        start = int(cursor["next_index"]) if cursor is not None else 0
-        self._positions = producer_positions(index, config.num_producers, start, prompts.length(self._source))
-        self._next_local = start
-        self._drawn = 0
-        self._unsettled: set[int] = set()  # own indices drawn, not yet pushed or failed (abandoned ones stay)
-        self._working: set[int] = set()  # own indices a worker is answering now
-        self._awaiting_engine: dict[int, int] = {}  # own index -> its requests at the engines now
-        self._admitted: dict[int, list] = {}  # own index -> rollout ids admitted, not yet pushed
         self._stop = asyncio.Event()
-        self._counts = dict(groups=0, rollouts=0, samples=0, deferred_retries=0, rejected_samples=0,
-                            abandoned_rollouts=0, not_admitted=0, skipped_known_groups=0)
-        self._failed: dict[str, int] = {}
-        self._times = dict(engine_wait_s=0.0, idle_s=0.0)
-        self._batcher = _Batcher(engines, self._times)
+        self._batcher = _Batcher(engines, self._core.times)
         self._engine_versions = None if engines is None else EngineVersionWatch(engines.policy_version, config.admit_retry_s)
-        self._reward_sum, self._reward_count = 0.0, 0
-        self._metric_sums: dict[str, float] = {}
-        self._metric_counts: dict[str, int] = {}
-        """Rollouts that reported each metric: its mean is over them."""
-        self._unreported = (0.0, 0)
         self._running = False
         self._finished = asyncio.Event()
         self._endpoint: AgentEndpoint | None = None
@@ -354,67 +221,49 @@ class AgentProducer:
         return self.report()
 
     def cursor(self) -> dict:
-        """{"next_index": k}: the oldest own position not yet settled (see module docstring)."""
-        return {"next_index": min(self._unsettled, default=self._next_local)}
+        """{"next_index": k}: the oldest own position not yet settled (vgbs_ray/producer_core.py)."""
+        return self._core.cursor()
 
     def drain_rewards(self) -> tuple[float, int]:
         """(sum, count) of the rewards of rollouts pushed since the previous call (filtered ones too)."""
-        drained, self._unreported = self._unreported, (0.0, 0)
-        return drained
+        return self._core.drain_rewards()
 
     def report(self) -> AgentProducerReport:
-        count = self._reward_count
-        return AgentProducerReport(
-            agent=self._index, **self._counts, failed_groups=dict(self._failed),
-            **{k: round(v, 3) for k, v in self._times.items()},
-            mean_reward=self._reward_sum / count if count else None,
-            agent_metrics={k: v / self._metric_counts[k] for k, v in self._metric_sums.items() if self._metric_counts[k]},
-            agent_metric_counts=dict(self._metric_counts),
-            endpoint_outcomes=dict(self._endpoint.outcomes) if self._endpoint is not None else {},
-            stopped=self._stop.is_set(), in_flight=len(self._working),
-            endpoint_refused=self._endpoint.refused if self._endpoint is not None else 0,
-            endpoint_after_end=self._endpoint.after_end if self._endpoint is not None else 0,
-            awaiting_engine=len(self._awaiting_engine), awaiting_requests=sum(self._awaiting_engine.values()),
-            cursor=self.cursor())
+        endpoint = self._endpoint
+        if endpoint is None:
+            return self._core.report(stopped=self._stop.is_set())
+        return self._core.report(stopped=self._stop.is_set(), endpoint_outcomes=endpoint.outcomes,
+                                 endpoint_refused=endpoint.refused, endpoint_after_end=endpoint.after_end)
 
     # -- workers -----------------------------------------------------------------------
 
     async def _worker(self) -> None:
         while not self._stop.is_set():
-            if self._config.max_prompts is not None and self._drawn >= self._config.max_prompts:
+            group = self._core.draw()
+            if group is None:
                 return
-            position = next(self._positions, None)
-            if position is None:
-                return
-            local = self._next_local
-            self._next_local += 1
-            self._drawn += 1
-            self._unsettled.add(local)
-            key, row = self._source.prompt(position)
-            self._working.add(local)
             try:
-                settled = await self._answer(local, position, key, row)
+                settled = await self._answer(group)
             except BaseException:
-                self._abandon(local)
+                self._abandon(group.local)
                 raise
             finally:
-                self._working.discard(local)
+                self._core.release(group.local)
             if not settled:
-                self._abandon(local)
+                self._abandon(group.local)
                 return
-            self._unsettled.discard(local)
+            self._core.settle(group.local)
 
-    async def _answer(self, local: int, position: int, key: str, row: dict) -> bool:
+    async def _answer(self, group: Group) -> bool:
         """One group from admission to push (or to its failure report); False when stopped first."""
-        config = self._config
-        ids = [f"{key}-r{m}" for m in range(config.group_size)]
+        config, local, key, ids = self._config, group.local, group.key, list(group.rollout_ids)
         known = await self._admit(local, ids)
         if known is None:
             return False
-        one_by_one = self._pushes_samples_one_by_one(position)
-        if len(known) == len(ids) and not one_by_one:  # a resumed producer: the scheduler holds this group already
-            self._counts["skipped_known_groups"] += 1
+        if len(known) == len(ids) and not group.one_by_one:  # a resumed producer: the scheduler holds them already
+            self._core.skipped_known(local)
             return True
+
         def generate(rollout_id: str):
             if self._engines is None:
                 return self._no_engines
@@ -424,12 +273,12 @@ class AgentProducer:
                                    engine_generate=generate(rid),
                                    tokenizer=self._tokenizer,
                                    default_sampling=self._sampling,
-                                   seed=(config.seed * 1_000_003 + position) * 1_024 + m)
+                                   seed=member_seed(config.seed, group.position, m))
                     for m, rid in enumerate(ids)]
         sessions = [self._endpoint.open(ctx) for ctx in contexts] if self._endpoint is not None else []
         try:
             outcome = await self._unless_stopped(run_group(
-                self._agent, row, contexts, timeout_s=config.timeout_s,
+                self._agent, group.row, contexts, timeout_s=config.timeout_s,
                 max_sequence_length=config.max_sequence_length, fatal_errors=(EngineError,)))
         finally:
             for session in sessions:
@@ -439,12 +288,11 @@ class AgentProducer:
             return False
         if outcome.failure is not None:
             reason, member, detail = outcome.failure
-            self._failed[reason] = self._failed.get(reason, 0) + 1
             log.warning("producer %d: group %s lost (%s, member %d): %s", self._index, key, reason, member, detail)
             await self._scheduler.fail_rollouts.remote([rid for rid in ids if rid not in known], reason)
-            self._admitted.pop(local, None)
+            self._core.failed(local, reason)
             return True
-        if one_by_one:  # a known rollout may be partly pushed: all again, the scheduler rejects what it holds
+        if group.one_by_one:  # a known rollout may be partly pushed: all again, the scheduler rejects what it holds
             samples = outcome.samples
             pushed = await self._push_one_by_one(samples)
         else:
@@ -454,18 +302,7 @@ class AgentProducer:
             return False
         if self._record is not None:
             self._record.write(samples)
-        self._admitted.pop(local, None)
-        rewards = list(outcome.rewards.values())
-        self._counts["groups"] += 1
-        self._counts["rollouts"] += len(rewards)
-        self._counts["samples"] += len(samples)
-        self._reward_sum += sum(rewards)
-        self._reward_count += len(rewards)
-        for name, value in outcome.metrics.items():
-            if name != "num_samples":
-                self._metric_sums[name] = self._metric_sums.get(name, 0.0) + value
-                self._metric_counts[name] = self._metric_counts.get(name, 0) + outcome.metric_counts.get(name, 0)
-        self._unreported = (self._unreported[0] + sum(rewards), self._unreported[1] + len(rewards))
+        self._core.pushed(local, outcome.rewards.values(), len(samples), outcome.metrics, outcome.metric_counts)
         return True
 
     async def _unless_stopped(self, work):
@@ -488,13 +325,11 @@ class AgentProducer:
                           "to sample the policy")
 
     async def _generate(self, local: int, rollout_id: str, token_ids, sampling: SamplingConfig):
-        self._awaiting_engine[local] = self._awaiting_engine.get(local, 0) + 1
+        self._core.engine_request(local, +1)
         try:
             return await self._batcher.generate(rollout_id, token_ids, sampling)
         finally:
-            self._awaiting_engine[local] -= 1
-            if not self._awaiting_engine[local]:
-                del self._awaiting_engine[local]
+            self._core.engine_request(local, -1)
 
     async def _admit(self, local: int, rollout_ids: list) -> frozenset | None:
         """Wait until the scheduler admits the group at the engines' version; returns the ids the
@@ -505,9 +340,9 @@ class AgentProducer:
             decision = await self._scheduler.admit.remote(rollout_ids, version, self._index)
             if decision.admit:
                 known = frozenset(decision.known)
-                self._admitted[local] = [rid for rid in rollout_ids if rid not in known]
+                self._core.admitted(local, [rid for rid in rollout_ids if rid not in known])
                 return known
-            self._counts["not_admitted"] += 1
+            self._core.counts["not_admitted"] += 1
             recheck_at = time.monotonic() + self._config.admit_recheck_s
             while not self._stop.is_set() and time.monotonic() < recheck_at:
                 await self._idle(self._config.admit_retry_s)
@@ -527,16 +362,13 @@ class AgentProducer:
             if self._stop.is_set():
                 return False
             result = await self._scheduler.submit.remote(samples)
-            self._counts["rejected_samples"] += len(result.rejected)
+            self._core.counts["rejected_samples"] += len(result.rejected)
             if not result.deferred:
                 return True
-            self._counts["deferred_retries"] += 1
+            self._core.counts["deferred_retries"] += 1
             samples = [samples[i] for i in result.deferred]
             await self._idle(result.retry_after_s or 0.05)
         return True
-
-    def _pushes_samples_one_by_one(self, position: int) -> bool:
-        return pushes_samples_one_by_one(self._config.seed, position, self._config.sample_push_fraction)
 
     async def _push_one_by_one(self, samples: list[dict]) -> bool:
         """Each sample in its own submit, the members' samples interleaved (sample 0 of every member, then
@@ -553,11 +385,10 @@ class AgentProducer:
             await asyncio.wait_for(self._stop.wait(), timeout=seconds)
         except asyncio.TimeoutError:
             pass
-        self._times["idle_s"] += time.perf_counter() - started
+        self._core.times["idle_s"] += time.perf_counter() - started
 
     def _abandon(self, local: int) -> None:
-        admitted = self._admitted.pop(local, None)
-        self._counts["abandoned_rollouts"] += self._config.group_size
+        admitted = self._core.abandon(local)
         if admitted:
             self._scheduler.abandon.remote(admitted)  # fire and forget: the scheduler may be going away too
 
@@ -577,5 +408,4 @@ def start_agent_producer(index: int, config: AgentProducerConfig, scheduler, eng
     return actor, actor.run.remote()
 
 
-__all__ = ["AgentProducer", "AgentProducerConfig", "AgentProducerReport", "PRODUCER_NAME", "PromptSpec",
-           "create_agent_producer", "pushes_samples_one_by_one", "start_agent_producer"]
+__all__ = ["AgentProducer", "PRODUCER_NAME", "PromptSpec", "create_agent_producer", "start_agent_producer"]

@@ -79,7 +79,8 @@ def make_token_agent():
 def producer_vs_direct() -> tuple[float, float]:
     import ray
 
-    from actors.agent_producer import AgentProducer, AgentProducerConfig, PromptSpec
+    from actors.agent_producer import AgentProducer, PromptSpec
+    from vgbs_ray.producer_core import AgentProducerConfig
     from actors.rollout_engine import EngineConfig, RolloutEnginePool
     from vgbs_ray.scheduler_types import SchedulerConfig
     from actors.scheduler_actor import create_scheduler

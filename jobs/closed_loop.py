@@ -44,7 +44,8 @@ from dataclasses import dataclass, field, replace
 
 import ray
 
-from actors.agent_producer import PRODUCER_NAME, AgentProducerConfig, PromptSpec, create_agent_producer
+from actors.agent_producer import PRODUCER_NAME, PromptSpec, create_agent_producer
+from vgbs_ray.producer_core import AgentProducerConfig
 from actors.hf_checkpoint import write_hf_config
 from actors.rollout_engine import RolloutEnginePool
 from actors.shutdown import live_results, start_named, terminate

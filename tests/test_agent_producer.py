@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import ray
 
-from actors.agent_producer import AgentProducerConfig, PromptSpec, start_agent_producer
+from actors.agent_producer import PromptSpec, start_agent_producer
+from vgbs_ray.producer_core import AgentProducerConfig
 from actors.rollout_engine import EngineClient
 from vgbs_ray.scheduler_types import SchedulerConfig
 from actors.scheduler_actor import create_scheduler

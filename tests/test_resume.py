@@ -17,7 +17,8 @@ from collections import defaultdict
 import pytest
 import ray
 
-from actors.agent_producer import AgentProducerConfig, PromptSpec
+from actors.agent_producer import PromptSpec
+from vgbs_ray.producer_core import AgentProducerConfig
 from examples.synthetic_agent import make_agent, make_prompts
 from jobs.checkpoint import load_resume_point
 from tests.resume_support import HoldingProducer, RecordingScheduler

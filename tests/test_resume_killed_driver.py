@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-from actors.agent_producer import pushes_samples_one_by_one
+from vgbs_ray.producer_core import pushes_samples_one_by_one
 from jobs.job_config import load_job_config
 from jobs.progress import read_records
 from tests.resume_support import synthetic_producers
