@@ -20,6 +20,7 @@ from typing import Mapping
 
 import torch
 
+from actors.global_names import is_expert_parameter, named_parameters_global, with_other_experts
 from actors.train_config import ModelConfig
 from vgbs_ray.checkpoint_files import copy_tokenizer
 from vgbs_ray.errors import ConfigError
@@ -102,8 +103,6 @@ def load_hf_weights(model: torch.nn.Module, hf_weights: Mapping[str, torch.Tenso
     experts)."""
     from megatron.core import parallel_state
 
-    from actors.model import named_parameters_global
-
     full = hf_to_megatron(hf_weights, config.weight_layout)
     if config.tie_word_embeddings:  # a last pipeline stage keeps its own copy of the embedding as output layer
         full["output_layer.weight"] = full["embedding.word_embeddings.weight"]
@@ -137,8 +136,6 @@ def full_megatron_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter of this pipeline stage with its TP shards and EP experts gathered (local-spec, global
     names). Collective over TP and EP."""
     from megatron.core import parallel_state
-
-    from actors.model import is_expert_parameter, named_parameters_global, with_other_experts
 
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_tensor_model_parallel_group()

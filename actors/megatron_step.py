@@ -37,8 +37,8 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer import clip_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from actors.model import (build_gpt_model, is_expert_parameter, named_parameters_global, packed_seq_params,
-                          with_other_experts)
+from actors.global_names import is_expert_parameter, named_parameters_global, with_other_experts
+from actors.model import build_gpt_model, packed_seq_params
 from actors.train_config import TrainGroupConfig
 from vgbs_ray.errors import VgbsError
 from vgbs_ray.hf_mapping import gather_tp_shards, split_tp_shard

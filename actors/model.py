@@ -24,7 +24,6 @@ Must be called after `parallel_state.initialize_model_parallel`.
 from __future__ import annotations
 
 import copy
-import re
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +34,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from actors.hf_checkpoint import load_hf_weights, model_config_from_hf, read_hf_weights
 from actors.megatron_cpu_compat import activate as activate_cpu_compat
 from actors.megatron_cpu_compat import make_rotary_embedding_cpu_safe
 from actors.train_config import ModelConfig
@@ -224,8 +224,6 @@ def _load_initial_weights(model: GPTModel, config: ModelConfig) -> None:
     """Weights from `config.hf_checkpoint_dir`, whose config.json must describe the same model."""
     from dataclasses import fields
 
-    from actors.hf_checkpoint import load_hf_weights, model_config_from_hf, read_hf_weights
-
     path = config.hf_checkpoint_dir
     expected = model_config_from_hf(path, seed=config.seed, params_dtype=config.params_dtype, hf_checkpoint_dir=path)
     differ = [f"{f.name}={getattr(config, f.name)!r} (checkpoint: {getattr(expected, f.name)!r})"
@@ -234,48 +232,6 @@ def _load_initial_weights(model: GPTModel, config: ModelConfig) -> None:
         raise ConfigError(f"ModelConfig does not match {path}/config.json: {', '.join(differ)}; build the "
                           "config with actors.hf_checkpoint.model_config_from_hf")
     load_hf_weights(model, read_hf_weights(path), config)
-
-
-def named_parameters_global(model: GPTModel):
-    """(name, parameter) pairs named as in the whole (PP=1, EP=1) model: a pipeline stage's layer
-    indices are local to it, `layer_number` (1-based) is global; an EP rank's local expert i is
-    global expert `ep_rank * num_local_experts + i` (Megatron's order)."""
-    for name, param in model.named_parameters():
-        match = _LAYER_PREFIX.match(name)
-        if match:
-            layer = model.decoder.layers[int(match.group(1))]
-            name = f"decoder.layers.{layer.layer_number - 1}." + name[match.end():]
-            expert = _LOCAL_EXPERT.search(name)
-            if expert:
-                experts = layer.mlp.experts
-                group = getattr(experts, "ep_group", None)
-                offset = (group.rank() if group is not None else 0) * experts.num_local_experts
-                name = f"{name[:expert.start(1)]}{offset + int(expert.group(1))}{name[expert.end(1):]}"
-        yield name, param
-
-
-def is_expert_parameter(param: torch.nn.Parameter) -> bool:
-    """An expert's weight: held by one EP rank, its gradient reduced over the expert-data-parallel group only
-    (Megatron marks these `allreduce=False`)."""
-    return not getattr(param, "allreduce", True)
-
-
-def with_other_experts(mine: dict[str, torch.Tensor], expert_names: list[str]) -> dict[str, torch.Tensor]:
-    """`mine` (global names) with the experts of every other EP rank added: a collective over the EP group
-    (every EP peer must call it). `mine` itself at EP=1."""
-    from megatron.core import parallel_state
-
-    ep_size = parallel_state.get_expert_model_parallel_world_size()
-    if ep_size == 1:
-        return mine
-    shares = [None] * ep_size
-    torch.distributed.all_gather_object(shares, {name: mine[name] for name in expert_names},
-                                        group=parallel_state.get_expert_model_parallel_group())
-    return {**mine, **{name: tensor for share in shares for name, tensor in share.items()}}
-
-
-_LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.")
-_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 
 def transformer_engine_available() -> bool:

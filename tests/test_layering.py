@@ -42,3 +42,57 @@ def test_no_core_module_imports_ray_megatron_or_vllm():
     out = subprocess.run([sys.executable, "-c", ALL_CORE], capture_output=True, text=True, timeout=300,
                          check=True).stdout.strip()
     assert out == "", f"vgbs_ray imports {out}"
+
+
+def _project_imports(path) -> set[str]:
+    """Every module name imported anywhere in a file (function-level imports too), but not under
+    `if TYPE_CHECKING:` (annotations only, never run)."""
+    import ast
+
+    names: set[str] = set()
+
+    def visit(node):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            return
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+            names.add(node.module)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return names
+
+
+def test_no_import_cycle_between_the_projects_modules():
+    """A cycle hidden in a function-level import is still a cycle: modules that need each other are one
+    concept split in two, or share a third module both should import."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    modules = {}
+    for package in ("vgbs_ray", "actors", "jobs"):
+        for path in (root / package).rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        imported = {n for n in _project_imports(path) if n in modules}
+        graph[name] = {n for n in imported if n != name and not name.startswith(n + ".")}  # not its own packages
+    cycles, state = [], {}
+
+    def walk(module, trail):
+        state[module] = "open"
+        for dep in sorted(graph[module]):
+            if state.get(dep) == "open":
+                cycles.append(trail[trail.index(dep):] + [dep])
+            elif dep not in state:
+                walk(dep, trail + [dep])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module, [module])
+    assert not cycles, f"import cycles: {cycles}"
