@@ -35,7 +35,6 @@ from actors.shard_placement import ranks_by_node
 from actors.shard_ref import ShardRef
 from actors.step_emitter import StepEmitter
 from vgbs_ray.config import ParallelConfig
-from vgbs_ray.eligibility import SchedulingDecision
 from vgbs_ray.errors import ConfigError, SchedulerStateError
 from vgbs_ray.sample import Sample
 from vgbs_ray.scheduler_core import SchedulerCore
@@ -85,26 +84,24 @@ class SchedulerActor:
         self._emitter.raise_if_failed()
 
     # -- train side ------------------------------------------------------------------
-    async def register_train_group(self, parallel: ParallelConfig, advertise_layout: bool = True,
-                                   rank_nodes: Sequence[str] | None = None) -> SchedulingDecision:
-        """Advertise the train group's parallel layout; steps are laid out only after this, on the path
-        decided here once (SchedulerCore.register). `rank_nodes`, the Ray node of each DP rank, puts the
+    async def register_train_group(self, parallel: ParallelConfig, rank_nodes: Sequence[str] | None = None) -> None:
+        """Advertise the train group's parallel config; steps are laid out for it, only after this
+        (SchedulerCore.register). `rank_nodes`, the Ray node of each DP rank, puts the
         shards of one node's ranks in one object (one `ray.put` per node and step; `ShardRef.fetch()` picks
         the rank's entry); None puts one object per rank."""
         self._start()
         node_ranks = None if rank_nodes is None else ranks_by_node(rank_nodes, parallel.dp_size)
-        decision = self.core.register(parallel, advertise_layout)
+        self.core.register(parallel)
         self._emitter.ranks_by_node = node_ranks
         self._emitter.changed.notify()
-        return decision
 
     async def get_shard(self, step: int, rank: int, timeout_s: float = 60.0) -> ShardRef | None:
         """Wait until rank `rank`'s shard of `step` is in the object store; return where it is. None once
         input ended and `step` will never exist. Raises SchedulerTimeoutError after `timeout_s`,
         SchedulerStateError for a released step or after an internal failure."""
-        layout = self.core.layout
-        if layout is not None and not 0 <= rank < layout.parallel.dp_size:
-            raise ConfigError(f"rank {rank} is outside dp_size={layout.parallel.dp_size}")
+        parallel = self.core.parallel
+        if parallel is not None and not 0 <= rank < parallel.dp_size:
+            raise ConfigError(f"rank {rank} is outside dp_size={parallel.dp_size}")
         self._start()
         slot = await self._emitter.wait_for_slot(step, timeout_s, f"step {step}, rank {rank}")
         if slot is None:
@@ -122,10 +119,6 @@ class SchedulerActor:
         if slot is None:
             return None
         return [ShardRef(step, rank, ref, len(slot.rollouts), index) for rank, (ref, index) in enumerate(slot.where)]
-
-    async def ack_step(self, step: int, rank: int, metrics: dict[str, tuple[float, float]] | None = None) -> bool:
-        """DP rank `rank` trained `step`, with its `(sum, count)` metric pairs: `ack_ranks(step, {rank: metrics})`."""
-        return await self.ack_ranks(step, {rank: metrics})
 
     async def ack_ranks(self, step: int, metrics_by_rank: Mapping[int, dict[str, tuple[float, float]] | None]) -> bool:
         """These DP ranks trained `step`, each with its `(sum, count)` metric pairs (the only way metrics

@@ -28,7 +28,7 @@ class SchedulerMetrics:
         self.step = g("vgbs_scheduler_step", "Index of the last emitted step")
         self.step_rollouts = g("vgbs_scheduler_step_rollouts", "Rollouts in the last emitted step")
         self.step_samples = g("vgbs_scheduler_step_samples", "Samples in the last emitted step")
-        self.step_microbatches = g("vgbs_scheduler_step_microbatches", "Micro-batches per rank in the last emitted step (0: legacy)")
+        self.step_microbatches = g("vgbs_scheduler_step_microbatches", "Micro-batches per rank in the last emitted step")
         self.step_tokens = g("vgbs_scheduler_step_tokens", "Tokens in the last emitted step")
         self.buffered_rollouts = g("vgbs_scheduler_buffered_rollouts", "Rollouts buffered (open, waiting, ready)")
         self.buffered_samples = g("vgbs_scheduler_buffered_samples", "Samples buffered")

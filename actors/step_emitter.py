@@ -23,13 +23,13 @@ from typing import Callable
 from actors.async_signal import Signal
 from actors.flush_queue import FlushQueue, PendingFlush
 from actors.shard_placement import put_shards
-from vgbs_ray.config import BatchConfig
+from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.errors import SchedulerStateError, SchedulerTimeoutError
 from vgbs_ray.intake import ReadyRollout
 from vgbs_ray.scheduler_core import SchedulerCore, StepSlot
 from vgbs_ray.scheduler_policy import DropStale, EmitFullStep, FlushRequest, MaxWaitFlush, RunFlush, WaitFor
 from vgbs_ray.scheduler_types import FlushResult
-from vgbs_ray.stepping import Layout, PlannedStep, plan_step
+from vgbs_ray.stepping import PlannedStep, plan_step
 
 
 class StepEmitter:
@@ -88,7 +88,7 @@ class StepEmitter:
         """The requested flush's result once run (raises as `FlushQueue.result`, or if the emitter failed)."""
         self.raise_if_failed()
         return await FlushQueue.result(pending, timeout_s, lambda: (
-            f"train group registered: {self.core.layout is not None}, "
+            f"train group registered: {self.core.parallel is not None}, "
             f"datasets still running: {self._active_datasets()}"))
 
     def close(self) -> None:
@@ -141,7 +141,7 @@ class StepEmitter:
         step = self.core.next_step
         try:
             planned, where = await asyncio.get_running_loop().run_in_executor(
-                self._layout_thread, self._plan_and_put, rollouts, step, self.core.layout, self.ranks_by_node)
+                self._layout_thread, self._plan_and_put, rollouts, step, self.core.parallel, self.ranks_by_node)
         except BaseException:
             self.core.return_front(rollouts)  # nothing of the step happened: the rollouts stay buffered
             raise
@@ -149,8 +149,8 @@ class StepEmitter:
         self.published.notify()
         return step
 
-    def _plan_and_put(self, rollouts, step: int, layout: Layout,
+    def _plan_and_put(self, rollouts, step: int, parallel: ParallelConfig,
                       node_ranks: list[list[int]] | None) -> tuple[PlannedStep, list]:
         """The layout thread: pure planning, then the shards into the object store (owned by this process)."""
-        planned = plan_step(rollouts, step=step, layout=layout, batch=self.batch)
+        planned = plan_step(rollouts, step=step, parallel=parallel, batch=self.batch)
         return planned, put_shards(planned.shards, node_ranks)

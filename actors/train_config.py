@@ -7,10 +7,11 @@ actors import Megatron. Each config validates itself and names the field and the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from vgbs_ray.config import ParallelConfig
 from vgbs_ray.errors import ConfigError
+from vgbs_ray.flops import TransformerFlopsModel
 from vgbs_ray.lora import DEFAULT_ADAPTER, LoraConfig, check_adapter_name
 from vgbs_ray.lr_schedule import LRScheduleConfig
 from vgbs_ray.metrics import MetricPairs
@@ -112,6 +113,17 @@ class ModelConfig:
                             qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
                             tied_embeddings=self.tie_word_embeddings, num_experts=self.num_experts or 0)
 
+    @property
+    def flops_model(self) -> TransformerFlopsModel:
+        """What `scheduler.batch.balance=flops` weighs a sequence by: this model's dimensions (SwiGLU MLP; an
+        MoE layer counts its top-k experts' width). An estimate for balancing ranks, not an exact count."""
+        ffn = (self.moe_ffn_hidden_size or self.ffn_hidden_size) * self.moe_router_topk if self.num_experts \
+            else self.ffn_hidden_size
+        return TransformerFlopsModel(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                                     num_attention_heads=self.num_attention_heads,
+                                     num_query_groups=self.num_query_groups, ffn_hidden_size=ffn, gated_mlp=True,
+                                     vocab_size=self.vocab_size)
+
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
@@ -149,6 +161,10 @@ class LossConfig:
     detached log-probs of the loss's own forward pass.
     """
 
+    removed_keys: ClassVar[dict[str, str]] = {
+        "legacy_max_tokens_per_microbatch": "every step is laid out on the rollout side; its micro-batches' token cap "
+                                            "is scheduler.batch.max_tokens_per_gpu"}
+
     policy: str = "ppo"
     """A built-in (ppo, decoupled_ppo, gspo, cispo, dr_grpo, dapo) or a factory 'module.path:make_loss'
     returning a vgbs_ray.losses.PolicyLoss; ship its module like an agent's."""
@@ -164,8 +180,6 @@ class LossConfig:
     token / rollout, low, high (vgbs_ray/losses/config.py)."""
     off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     """Staleness bound: max_staleness, allow_uncorrected_staleness (see vgbs_ray/off_policy.py)."""
-    legacy_max_tokens_per_microbatch: int = 1024
-    """Legacy path only (a shard without a layout): the token cap a rank packs its own samples under."""
 
     def __post_init__(self):
         if not isinstance(self.off_policy, OffPolicyConfig):
@@ -179,9 +193,6 @@ class LossConfig:
             raise ConfigError(f"train.loss.policy_kwargs must be a mapping, got {self.policy_kwargs!r}")
         if self.aggregation is not None and self.aggregation not in AGGREGATIONS:
             raise ConfigError(f"train.loss.aggregation={self.aggregation!r} is unknown; pick one of {AGGREGATIONS}")
-        if self.legacy_max_tokens_per_microbatch <= 0:
-            raise ConfigError("LossConfig.legacy_max_tokens_per_microbatch must be positive, "
-                              f"got {self.legacy_max_tokens_per_microbatch}")
 
     def build(self):
         """The `vgbs_ray.losses.loading.ResolvedLoss` this config names (imports the loss, so torch): refuses
@@ -399,7 +410,6 @@ class RankStepResult:
     dp_rank: int
     num_rollouts: int
     num_microbatches: int
-    path: Literal["layout", "legacy"]
     metrics: MetricPairs
     """The (sum, count) pairs of this rank's DP replica, on the lead rank only (empty elsewhere):
     metrics travel once, in the lead's ack or result; whoever needs the step's totals sums them."""
@@ -423,7 +433,6 @@ class StepResult:
     step_time_s: float
     """The slowest rank's step time."""
     num_microbatches: int
-    path: Literal["layout", "legacy"]
     consumed_rollouts: int
     shard_wait_s: float = 0.0
     """Seconds the group waited for the step's shards to be formed (trainer idle); 0 for `train_shards`."""

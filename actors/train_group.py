@@ -100,18 +100,16 @@ class TrainGroup:
         """What the scheduler lays steps out for (dp, cp, vpp, micro-batch group)."""
         return self.config.parallel_config
 
-    def register_with(self, scheduler, *, advertise_layout: bool = True):
-        """Advertise this group's parallel config to a SchedulerActor; returns its scheduling decision.
+    def register_with(self, scheduler) -> None:
+        """Advertise this group's parallel config to a SchedulerActor: it lays every step out for it.
 
-        advertise_layout=False asks for the legacy path (no rollout-side layout). The node of each
-        DP rank (its lead rank's) goes along: the scheduler puts one object per node and step
-        holding the shards of that node's DP ranks, instead of one per rank.
+        The node of each DP rank (its lead rank's) goes along: the scheduler puts one object per node
+        and step holding the shards of that node's DP ranks, instead of one per rank.
         """
         nodes = self.node_ids()
         rank_nodes = [node for node, info in sorted(zip(nodes, self.rank_infos), key=lambda pair: pair[1].dp_rank)
                       if info.is_lead]
-        return ray.get(scheduler.register_train_group.remote(self.parallel_config, advertise_layout, rank_nodes),
-                       timeout=60)
+        ray.get(scheduler.register_train_group.remote(self.parallel_config, rank_nodes), timeout=60)
 
     # -- steps --------------------------------------------------------------------------
 
@@ -318,6 +316,5 @@ def _combine(results: list[RankStepResult]) -> StepResult:
         grad_norm=first.grad_norm,
         step_time_s=max(r.step_time_s for r in results),
         num_microbatches=first.num_microbatches,
-        path=first.path,
         consumed_rollouts=first.consumed_rollouts,
     )

@@ -2,10 +2,9 @@
 
 A step (`RankTrainer.train_shard`), the same on CPU (gloo) and GPU (NCCL):
 
-1. Micro-batches: with a layout, exactly `shard.micro_batch_indices` in that order (an empty
-   entry is a zero-weight padding micro-batch); the legacy path (no layout) packs the rank's
-   own samples under a token cap and agrees on the count with one all-reduce(MAX) over DP,
-   padding with empty micro-batches (up to a multiple of the interleaved schedule's group).
+1. Micro-batches: exactly `shard.micro_batch_indices` in that order (an empty entry is a
+   zero-weight padding micro-batch); the rollout side laid them out, the same count on every
+   DP rank (and a multiple of the interleaved schedule's group), so no rank agrees on it here.
    PP and TP peers of a DP rank train the same shard, so every stage sees the same list.
    With context parallelism (GPU) each CP rank keeps its load-balanced share of every row
    (`vgbs_ray.context_parallel`).
@@ -31,8 +30,8 @@ A step (`RankTrainer.train_shard`), the same on CPU (gloo) and GPU (NCCL):
 Metrics travel once: the lead rank of each DP replica (TP/CP rank 0 of the last stage) returns
 its replica's (sum, count) pairs; whoever needs the step's totals (the TrainGroup, the
 scheduler's ack) sums them. No collective carries metrics across DP (with CP > 1, one SUM
-joins the CP peers' partial pairs first), and on the layout path no collective agrees on a
-count: no all-reduce(MAX).
+joins the CP peers' partial pairs first), and no collective agrees on a count: no
+all-reduce(MAX).
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ from vgbs_ray.errors import VgbsError
 from vgbs_ray.lora import is_adapter_name
 from vgbs_ray.lr_schedule import lr_at
 from vgbs_ray.metrics import MetricPairs, reduce_metric_pairs
-from vgbs_ray.microbatch import PackedMicroBatch, legacy_micro_batches, pack_micro_batch, pad_micro_batches
+from vgbs_ray.microbatch import PackedMicroBatch, pack_micro_batch
 from vgbs_ray.policy_loss import micro_batch_loss, undo_averaging_factor
 from vgbs_ray.shard import StepShard
 
@@ -98,7 +97,7 @@ class RankTrainer:
                 f"step {shard.step}: shard for dp rank {shard.rank} of {shard.dp_size} sent to dp rank "
                 f"{self.info.dp_rank} of {self.dp_size}; the scheduler's ParallelConfig must be this group's"
             )
-        self._check_behaviour_log_probs(shard)  # before the first collective (the legacy path's MAX)
+        self._check_behaviour_log_probs(shard)  # before the first collective
         micro_batches = [pack_micro_batch(shard, positions) if len(positions) else padding_micro_batch()
                          for positions in self._micro_batch_positions(shard)]
         if self.config.cp_size > 1:  # GPU only (TrainGroupConfig refuses CP on CPU)
@@ -128,30 +127,17 @@ class RankTrainer:
             local = self._sum_over_context_parallel(local)
         return RankStepResult(
             step=shard.step, rank=self.info.rank, dp_rank=self.info.dp_rank, num_rollouts=shard.num_rollouts,
-            num_microbatches=len(micro_batches), path="layout" if shard.has_layout else "legacy",
+            num_microbatches=len(micro_batches),
             metrics=local if self.info.is_lead else {}, lr=lr, grad_norm=grad_norm,
             step_time_s=time.perf_counter() - start, consumed_rollouts=consumed,
         )
 
     def _micro_batch_positions(self, shard: StepShard) -> list[list[int]]:
-        if shard.has_layout:
-            if shard.num_microbatches != len(shard.micro_batch_indices):
-                raise ValueError(f"step {shard.step}: shard says {shard.num_microbatches} micro-batches "
-                                 f"but carries {len(shard.micro_batch_indices)}")
-            self._check_interleaving(shard.step, len(shard.micro_batch_indices))
-            return shard.micro_batch_indices
-        # Legacy path: this rank's own packing; the ranks must agree on the count (pipeline
-        # stages and DP all-reduces run in lockstep), hence the all-reduce(MAX).
-        own = legacy_micro_batches(shard.total_lengths, self.config.loss.legacy_max_tokens_per_microbatch)
-        count = torch.tensor([len(own)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
-        agreed = int(count)
-        if self.config.vpp_size > 1:  # the interleaved schedule runs whole groups of micro-batches
-            group = self.config.microbatch_group
-            agreed = -(-agreed // group) * group
-        log.info("step %d dp rank %d: legacy path (no layout), %d own micro-batches, all-reduce(MAX) -> %d",
-                 shard.step, self.info.dp_rank, len(own), agreed)
-        return pad_micro_batches(own, agreed)
+        if shard.num_microbatches != len(shard.micro_batch_indices):
+            raise ValueError(f"step {shard.step}: shard says {shard.num_microbatches} micro-batches "
+                             f"but carries {len(shard.micro_batch_indices)}")
+        self._check_interleaving(shard.step, len(shard.micro_batch_indices))
+        return shard.micro_batch_indices
 
     def _check_interleaving(self, step: int, count: int) -> None:
         """Megatron's interleaved schedule runs micro-batches in groups of N (megatron-core's interleaved 1F1B)."""

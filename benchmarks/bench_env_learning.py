@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_env_learning.py --losses [ppo gspo ...]   # the policy losses side by side
 
 Pure torch on one thread, no Ray, no Megatron, no vLLM, but the project's own data path:
-the multi-turn environment (`vgbs_ray.envs`) makes the samples (one per turn, so rollouts
+the multi-turn environment (`benchmarks.digit_env`) makes the samples (one per turn, so rollouts
 have 1 or 2), `vgbs_ray.advantages` normalises rewards per GRPO group, uniform groups are
 dropped (dynamic sampling, so each step trains a different number of rollouts), the samples
 become a `StepShard` and a `PackedMicroBatch`, and `vgbs_ray.policy_loss.micro_batch_loss`
@@ -40,14 +40,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from vgbs_ray.advantages import group_advantages, is_uniform_group
-from vgbs_ray.envs.digits import PAD, VOCAB_SIZE, DigitTaskConfig, PromptCursor, PromptGenerator
-from vgbs_ray.envs.episode import EpisodeGroup
+from benchmarks.digit_env.digits import PAD, VOCAB_SIZE, DigitTaskConfig, PromptCursor, PromptGenerator
+from benchmarks.digit_env.episode import EpisodeGroup
 from vgbs_ray.microbatch import pack_micro_batch
 from vgbs_ray.losses import CorrectionConfig
 from vgbs_ray.losses.loading import ResolvedLoss, build_loss
 from vgbs_ray.policy_loss import micro_batch_loss
 from vgbs_ray.sample import Sample, validate_rollout
-from vgbs_ray.shard import build_legacy_shards
+from vgbs_ray.shard import single_micro_batch_shard
 
 HIDDEN, LAYERS, HEADS, FFN = 128, 2, 4, 256
 LR = 1e-3
@@ -206,7 +206,7 @@ def run(rule: str, prompts_per_step: int, staleness: int, seed: int, max_steps: 
                 validate_rollout([s for s in built if s.rollout_id == rollout_id])
             samples += [s.with_advantage(advantages[s.rollout_id]) for s in built]
         if samples:
-            shard = build_legacy_shards(samples, step, dp_size=1)[0]
+            shard = single_micro_batch_shard(samples, step)
             micro_batch = pack_micro_batch(shard, range(shard.num_samples))
             # One update per step: the proximal policy is this forward's own, detached (micro_batch_loss's default);
             # the micro-batch holds every rollout whole, so GSPO's rollout log-ratio is formed in it.

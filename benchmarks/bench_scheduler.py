@@ -166,7 +166,7 @@ def register_on_this_node(scheduler) -> None:
     """The train group a TrainGroup on this one node registers: dp 8, every rank's node named (so one
     shard object per step holds all eight shards)."""
     node = ray.get_runtime_context().get_node_id()
-    ray.get(scheduler.register_train_group.remote(ParallelConfig(dp_size=DP_SIZE), True, [node] * DP_SIZE),
+    ray.get(scheduler.register_train_group.remote(ParallelConfig(dp_size=DP_SIZE), [node] * DP_SIZE),
             timeout=TIMEOUT_S)
 
 
@@ -276,7 +276,7 @@ def scale_run(num_steps: int, rng, *, node_objects: bool) -> tuple[list[float], 
     scheduler = create_scheduler(SchedulerConfig(batch=BatchConfig(
         global_batch_size=SCALE_GBS, max_tokens_per_gpu=MAX_TOKENS_PER_GPU, leftover="drop")), name="bench-scale")
     rank_nodes = [ray.get_runtime_context().get_node_id()] * SCALE_DP if node_objects else None
-    ray.get(scheduler.register_train_group.remote(ParallelConfig(dp_size=SCALE_DP), True, rank_nodes), timeout=TIMEOUT_S)
+    ray.get(scheduler.register_train_group.remote(ParallelConfig(dp_size=SCALE_DP), rank_nodes), timeout=TIMEOUT_S)
     pools = [ray.remote(RankPool).options(num_cpus=0, max_concurrency=4096).remote(scheduler) for _ in range(SCALE_POOLS)]
     ranks = [dp for dp in range(SCALE_DP) for _ in range(SCALE_TP)]
     driver_ms = []

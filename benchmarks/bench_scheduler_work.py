@@ -25,8 +25,7 @@ from bench_scheduler import BATCH_SAMPLES, DP_SIZE, GBS, MAX_TOKENS_PER_GPU, mak
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.intake import IntakeConfig, RolloutIntake
 from vgbs_ray.ledger import Ledger
-from vgbs_ray.eligibility import decide_scheduling
-from vgbs_ray.stepping import Layout, plan_step
+from vgbs_ray.stepping import plan_step
 
 SETTLED_STEPS = 40  # 20k rollouts already trained: lookups meet a table, not an empty one
 
@@ -53,7 +52,6 @@ def run(pushes: list[list[dict]]) -> dict[str, float]:
     intake = RolloutIntake(IntakeConfig(), ledger)
     batch = BatchConfig(global_batch_size=GBS, max_tokens_per_gpu=MAX_TOKENS_PER_GPU, leftover="drop")
     parallel = ParallelConfig(dp_size=DP_SIZE)
-    layout = Layout(parallel, decide_scheduling(parallel))
     seconds = dict(ingest=0.0, take=0.0, plan=0.0, ledger=0.0)
     step = SETTLED_STEPS
     for now, rows in enumerate(pushes):
@@ -64,7 +62,7 @@ def run(pushes: list[list[dict]]) -> dict[str, float]:
             t0 = time.perf_counter()
             rollouts = intake.take_oldest(GBS)
             t1 = time.perf_counter()
-            planned = plan_step(rollouts, step=step, layout=layout, batch=batch)
+            planned = plan_step(rollouts, step=step, parallel=parallel, batch=batch)
             t2 = time.perf_counter()
             ids = [r.rollout_id for r in rollouts]
             ledger.schedule(ids, step)

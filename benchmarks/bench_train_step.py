@@ -1,11 +1,14 @@
-"""Train-step time on 2 gloo ranks (CPU): balanced layouts vs strided, precomputed vs legacy.
+"""Train-step time on 2 gloo ranks (CPU): balanced layouts vs strided, rollout-side vs rank-side packing.
 
 One TrainGroup (dp=2, Megatron GPTModel on CPU, real Ray placement group) trains the same
 windows of skewed-length rollouts with four plans:
   strided   rollout-side layout, micro-batches dealt round-robin (balance="none")
   tokens    rollout-side layout, balanced on tokens
   flops     rollout-side layout, balanced on estimated FLOPs
-  legacy    no layout: even sample split, each rank packs its own, all-reduce(MAX) of counts
+  legacy    what a trainer without rollout-side layouts runs (the project had this path until it was
+            removed, issue 42): an even strided sample split, each rank packs its own samples, and
+            the ranks pad to the largest count (an all-reduce(MAX) there; laid out here as those
+            padded micro-batches, the same compute without the tiny collective)
 Step time is the slowest rank's (the DP all-reduce makes everyone wait for it), median over
 the timed steps; the plans take turns on each window so background load hits all alike. Run: .venv/bin/python benchmarks/bench_train_step.py
 """
@@ -18,13 +21,14 @@ import time
 import numpy as np
 import ray
 
-from actors.train_config import LossConfig, ModelConfig, TrainGroupConfig
+from actors.train_config import ModelConfig, TrainGroupConfig
 from actors.train_group import TrainGroup
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.flops import TransformerFlopsModel
 from vgbs_ray.sample import make_rollout
-from vgbs_ray.schedule import build_dp_schedule
-from vgbs_ray.shard import build_legacy_shards, build_step_shards
+from vgbs_ray.packing import first_fit_decreasing
+from vgbs_ray.schedule import StepLayout, build_dp_schedule
+from vgbs_ray.shard import build_step_shards
 
 DP_SIZE = 2
 GLOBAL_BATCH_SIZE = 16          # rollouts per step
@@ -32,7 +36,7 @@ MAX_SIBLINGS = 3                # samples per rollout: 1..3
 SHORT_TOKENS = (16, 96)         # 75% of samples
 LONG_TOKENS = (600, 1000)       # 25% of samples: the skew
 LONG_FRACTION = 0.25
-MAX_TOKENS_PER_GPU = 1024       # micro-batch cap (layout path and legacy path alike)
+MAX_TOKENS_PER_GPU = 1024       # micro-batch cap (every plan alike)
 WARMUP_STEPS = 1
 TIMED_STEPS = 8
 SEED = 7
@@ -57,12 +61,25 @@ def window(rng: np.random.Generator, step: int) -> list:
 
 def shards_for(plan: str, samples: list, step: int) -> list:
     if plan == "legacy":
-        return build_legacy_shards(samples, step, DP_SIZE)
+        return build_step_shards(samples, rank_side_packing(samples), step)
     batch = BatchConfig(global_batch_size=GLOBAL_BATCH_SIZE, max_tokens_per_gpu=MAX_TOKENS_PER_GPU,
                         balance="none" if plan == "strided" else plan, flops_model=FLOPS)
     schedule = build_dp_schedule([s.total_length for s in samples], [s.rollout_id for s in samples],
                                  ParallelConfig(dp_size=DP_SIZE), batch)
     return build_step_shards(samples, schedule.steps[0], step)
+
+
+def rank_side_packing(samples: list) -> StepLayout:
+    """The baseline: rank r gets samples r, r + DP_SIZE, ...; packs them first-fit-decreasing under the cap; every
+    rank pads with empty micro-batches to the largest count (what the all-reduce(MAX) agreed on)."""
+    ranks = []
+    for rank in range(DP_SIZE):
+        indices = list(range(rank, len(samples), DP_SIZE))
+        lengths = np.array([samples[i].total_length for i in indices], dtype=np.int64)
+        ranks.append([tuple(indices[j] for j in mb) for mb in first_fit_decreasing(lengths, MAX_TOKENS_PER_GPU)])
+    count = max(map(len, ranks))
+    return StepLayout(rollout_ids=tuple(dict.fromkeys(s.rollout_id for s in samples)),
+                      rank_micro_batches=tuple(tuple(mbs + [()] * (count - len(mbs))) for mbs in ranks))
 
 
 def _max_over_mean(values: list[int]) -> float:
@@ -77,8 +94,7 @@ def main() -> None:
     print(f"dp={DP_SIZE}, gbs={GLOBAL_BATCH_SIZE} rollouts, {len(tokens) / len(windows):.0f} samples and "
           f"{sum(tokens) / len(windows):.0f} tokens per step (lengths {min(tokens)}..{max(tokens)}), "
           f"cap {MAX_TOKENS_PER_GPU} tokens, model {MODEL.num_layers}x{MODEL.hidden_size}")
-    group = TrainGroup(TrainGroupConfig(model=MODEL, dp_size=DP_SIZE,
-                                        loss=LossConfig(legacy_max_tokens_per_microbatch=MAX_TOKENS_PER_GPU)))
+    group = TrainGroup(TrainGroupConfig(model=MODEL, dp_size=DP_SIZE))
     try:
         initial = group.state_dict()
         plans = ("strided", "tokens", "flops", "legacy")
@@ -110,7 +126,7 @@ def main() -> None:
                   f"{statistics.median(token_skew[p]):>22.2f}{statistics.median(attention_skew[p]):>23.2f}")
         print(f"\nbalanced vs strided: tokens {median['strided'] / median['tokens']:.2f}x, "
               f"flops {median['strided'] / median['flops']:.2f}x faster")
-        print(f"precomputed (tokens) vs legacy all-reduce(MAX): {median['legacy'] / median['tokens']:.2f}x faster")
+        print(f"precomputed (tokens) vs rank-side packing padded to the MAX: {median['legacy'] / median['tokens']:.2f}x faster")
     finally:
         group.shutdown()
         ray.shutdown()

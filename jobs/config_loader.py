@@ -2,7 +2,9 @@
 
 The configs themselves (vgbs_ray.config, actors.*) validate their values; this module only
 maps keys onto fields, and fails on a key no config has, naming it and the valid keys (or, for a
-key that moved, where it lives now: a config class's `moved_keys`).
+key that moved, where it lives now: a config class's `moved_keys`; for one that was removed, why:
+its `removed_keys`; for one the job derives from other keys, which: its `derived_keys`, left out of
+`--help` too).
 A string literal right under a field (torchtitan style) is that field's help text.
 """
 
@@ -44,6 +46,14 @@ def config_from_mapping(cls: type, mapping: Mapping[str, Any] | None, where: str
     moved = {key: getattr(cls, "moved_keys", {})[key] for key in unknown if key in getattr(cls, "moved_keys", {})}
     if moved:
         raise ConfigError("; ".join(f"config key '{where}{key}' moved: set {new}" for key, new in moved.items()))
+    removed = {key: getattr(cls, "removed_keys", {})[key] for key in unknown
+               if key in getattr(cls, "removed_keys", {})}
+    if removed:
+        raise ConfigError("; ".join(f"config key '{where}{key}' was removed: {why}" for key, why in removed.items()))
+    derived = {key: source for key, source in getattr(cls, "derived_keys", {}).items() if key in mapping}
+    if derived:
+        raise ConfigError("; ".join(f"config key '{where}{key}' is not set by hand: the job derives it from {source}"
+                                    for key, source in derived.items()))
     if unknown:
         raise ConfigError(
             f"unknown config key(s) {[where + k for k in unknown]}; valid keys under "
@@ -141,6 +151,8 @@ def describe(cls: type, prefix: str = "", base: Any = None) -> list[str]:
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     for f in dataclasses.fields(cls):
+        if f.name in getattr(cls, "derived_keys", {}):
+            continue
         nested = _dataclass_type(hints[f.name])
         default = getattr(base, f.name) if base is not None else _field_default(f)
         if nested is not None and (dataclasses.is_dataclass(default) or default is None):

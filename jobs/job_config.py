@@ -433,11 +433,11 @@ class JobConfig:
 
 
 SYNTHETIC_AGENT = "examples.synthetic_agent"
+"""The synthetic preset's agent module (examples/synthetic_agent.py)."""
 LONG_TAIL_AGENT = "examples.long_tail_agent"
 LOOKUP_AGENT = "examples.lookup_agent"
 LOOKUP_VOCAB_SIZE = 19
 """The lookup task's vocabulary (examples/lookup_agent.py's VOCABULARY, checked by a test)."""
-"""The synthetic preset's agent module (examples/synthetic_agent.py)."""
 
 
 def closed_loop_preset() -> JobConfig:
@@ -507,7 +507,11 @@ def load_job_config(path: str | None = None, overrides: list[str] | tuple[str, .
     name = preset or named or DEFAULT_PRESET
     if name not in PRESETS:
         raise ConfigError(f"preset {name!r} is unknown; pick one of {sorted(PRESETS)}")
-    config = config_from_mapping(JobConfig, _with_checkpoint_model(mapping), base=PRESETS[name]())
+    mapping, flops_balance = _without_flops_balance(_with_checkpoint_model(mapping))
+    config = config_from_mapping(JobConfig, mapping, base=PRESETS[name]())
+    if flops_balance:  # the cost model is the policy's own dimensions, derived here (BatchConfig needs it at once)
+        batch = replace(config.scheduler.batch, balance="flops", flops_model=config.train.model.flops_model)
+        config = replace(config, scheduler=replace(config.scheduler, batch=batch))
     config.train.loss.build()
     endpoint = config.closed_loop.endpoint
     if endpoint.enabled and endpoint.tool_parser not in (None, "none"):
@@ -516,6 +520,16 @@ def load_job_config(path: str | None = None, overrides: list[str] | tuple[str, .
         except ToolRequestError as error:
             raise ConfigError(str(error)) from None
     return config
+
+
+def _without_flops_balance(mapping: dict) -> tuple[dict, bool]:
+    """(`mapping` with scheduler.batch.balance=flops taken out, whether it was there): the FLOPs model that
+    balance needs is derived from train.model, known only once the config is loaded."""
+    batch = (mapping.get("scheduler") or {}).get("batch") or {}
+    if batch.get("balance") != "flops":
+        return mapping, False
+    scheduler = dict(mapping["scheduler"], batch={k: v for k, v in batch.items() if k != "balance"})
+    return dict(mapping, scheduler=scheduler), True
 
 
 def _with_checkpoint_model(mapping: dict) -> dict:

@@ -57,7 +57,7 @@ VOCABULARY: tuple[MetricName, ...] = (
     MetricName("step/samples", "samples", "training samples of those rollouts (a rollout yields 1..N)", "num_samples"),
     MetricName("step/tokens", "tokens", "tokens (prompt + response) of the step's samples", "num_tokens"),
     MetricName("step/partial", "0/1", "1 for a partial step (fewer rollouts than gbs), 0 for a full one", "partial"),
-    MetricName("step/microbatches_per_rank", "micro-batches", "micro-batches each DP rank ran (absent on the legacy path)",
+    MetricName("step/microbatches_per_rank", "micro-batches", "micro-batches each DP rank ran",
                "microbatches_per_rank"),
     MetricName("train/loss", "loss", "the step's loss: mean over its rollouts of each rollout's token mean", "loss"),
     MetricName("train/lr", "lr", "learning rate of the step", "lr"),

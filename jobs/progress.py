@@ -16,13 +16,12 @@ class StepLine:
     step: int
     num_rollouts: int
     num_samples: int
-    microbatches_per_rank: int | None
+    microbatches_per_rank: int
     num_tokens: int
     loss: float
     reward: float
     step_time_s: float
     lr: float
-    layout: str
     partial: bool
     policy_version: int | None = None
     """The version this step trained from (optimizer steps taken before it); it publishes version + 1."""
@@ -48,10 +47,9 @@ class StepLine:
     name -> mean over the step's trained tokens (docs/losses.md lists each loss's)."""
 
     def text(self) -> str:
-        micro = "legacy" if self.microbatches_per_rank is None else str(self.microbatches_per_rank)
         kind = "partial" if self.partial else "full"
         line = (f"step {self.step:>3} | rollouts {self.num_rollouts:>3} ({kind}) | samples {self.num_samples:>3} | "
-                f"micro-batches/rank {micro:>3} | tokens {self.num_tokens:>6} | loss {self.loss:+.3e} | "
+                f"micro-batches/rank {self.microbatches_per_rank:>3} | tokens {self.num_tokens:>6} | loss {self.loss:+.3e} | "
                 f"reward {self.reward:.3f} | lr {self.lr:.2e} | {self.step_time_s:.2f} s")
         if self.policy_version is not None:  # the closed loop's part of the line
             line += f" | v{self.policy_version}"

@@ -34,7 +34,7 @@ def step_line(result, record) -> StepLine:
         step=result.step, num_rollouts=result.num_rollouts, num_samples=record.num_samples,
         microbatches_per_rank=record.microbatches_per_rank[0], num_tokens=record.num_tokens,
         loss=result.metrics.get("loss", float("nan")), reward=result.metrics.get("reward", float("nan")),
-        step_time_s=result.step_time_s, lr=result.lr, layout=record.layout, partial=record.partial,
+        step_time_s=result.step_time_s, lr=result.lr, partial=record.partial,
         # The scheduler's staleness figures, where its records carry them.
         staleness_mean=record.staleness_mean, staleness_max=record.staleness_max,
         log_prob_mismatch=result.metrics.get("log_prob_mismatch"), shard_wait_s=result.shard_wait_s,

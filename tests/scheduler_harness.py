@@ -77,7 +77,7 @@ class Pusher:
 
 
 class SimulatedRanks:
-    """Many train ranks in one asyncio actor: plain async callers of get_shard / ack_step, no Megatron.
+    """Many train ranks in one asyncio actor: plain async callers of get_shard / ack_ranks, no Megatron.
 
     Each (dp_rank, tp_rank) parks one get_shard per step, as a TrainActor does; TP rank 0 of each
     DP rank fetches the shard, checks it is its own, and acks (one ack per DP rank).
@@ -97,7 +97,7 @@ class SimulatedRanks:
                 if tp_rank == 0:
                     shard = await ref.ref
                     assert shard.rank == dp_rank and shard.step == step
-                    await scheduler.ack_step.remote(step, dp_rank, {"samples": (float(shard.num_samples), 1.0)})
+                    await scheduler.ack_ranks.remote(step, {dp_rank: {"samples": (float(shard.num_samples), 1.0)}})
                 else:  # a TP peer trains the same shard; it never acks
                     await ref.ref
 

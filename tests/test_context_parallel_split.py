@@ -16,13 +16,13 @@ from vgbs_ray.context_parallel import local_padded_indices, split_for_context_pa
 from vgbs_ray.metrics import reduce_metric_pairs
 from vgbs_ray.microbatch import pack_micro_batch
 from vgbs_ray.policy_loss import micro_batch_policy_loss
-from vgbs_ray.shard import build_legacy_shards
+from vgbs_ray.shard import single_micro_batch_shard
 
 VOCAB = 128
 
 
 def _micro_batch(seed: int):
-    shard = build_legacy_shards(make_samples(seed, 5, max_len=37), 0, 1)[0]
+    shard = single_micro_batch_shard(make_samples(seed, 5, max_len=37))
     return pack_micro_batch(shard, list(range(shard.num_samples)))
 
 

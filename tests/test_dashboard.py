@@ -49,7 +49,7 @@ def test_job_metrics_reach_the_metrics_export_port(ray_session):
     run = "dashboard-test-run"
     metrics = JobMetrics(run)
     values = step_values(StepLine(step=3, num_rollouts=16, num_samples=20, microbatches_per_rank=1, num_tokens=400,
-                                  loss=0.1, reward=0.625, step_time_s=0.2, lr=1e-3, layout="rollout_side",
+                                  loss=0.1, reward=0.625, step_time_s=0.2, lr=1e-3,
                                   partial=False, policy_version=4, weight_sync_s=0.5, shard_wait_s=float("nan"),
                                   engine_idle_share=0.25))
     metrics.on_step(3, values)  # names without a gauge (train/loss, step/tokens, ...) are not exported

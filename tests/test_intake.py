@@ -12,8 +12,7 @@ from tests.rollout_factory import rollout_rows, sample_row
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.intake import IntakeConfig, RolloutIntake
 from vgbs_ray.ledger import Ledger, RolloutState
-from vgbs_ray.eligibility import decide_scheduling
-from vgbs_ray.stepping import Layout, leftover_action, plan_step
+from vgbs_ray.stepping import leftover_action, plan_step
 
 
 def make(**cfg) -> RolloutIntake:
@@ -174,26 +173,20 @@ def _ready(n: int, samples_each: int = 2):
     return intake.take_oldest(n)
 
 
-def test_plan_step_layout_and_legacy():
+def test_plan_step_lays_out_full_partial_and_lone_steps():
     parallel = ParallelConfig(dp_size=2)
     batch = BatchConfig(global_batch_size=4, max_tokens_per_gpu=64)
-    layout = Layout(parallel, decide_scheduling(parallel))
-    legacy_layout = Layout(parallel, decide_scheduling(None))
-    planned = plan_step(_ready(4), step=3, layout=layout, batch=batch)
-    assert planned.decision.rollout_side and planned.num_samples == 8
+    planned = plan_step(_ready(4), step=3, parallel=parallel, batch=batch)
+    assert planned.num_samples == 8
     assert [s.num_microbatches for s in planned.shards] == [planned.num_microbatches] * 2
     assert all(s.num_rollouts == 4 and s.step == 3 for s in planned.shards)
     assert sorted(r for s in planned.shards for r in s.rollout_ids) == sorted([f"r{i}" for i in range(4)] * 2)
-    legacy = plan_step(_ready(4), step=0, layout=legacy_layout, batch=batch)
-    assert not legacy.decision.rollout_side and all(not s.has_layout for s in legacy.shards)
-    partial = plan_step(_ready(1), step=1, layout=layout, batch=batch)
-    assert partial.decision.rollout_side and partial.shards[0].num_rollouts == 1  # decided at registration
+    partial = plan_step(_ready(1), step=1, parallel=parallel, batch=batch)
+    assert partial.shards[0].num_rollouts == 1
     assert partial.num_padding_microbatches == 0
-    lone = plan_step(_ready(1, samples_each=1), step=1, layout=layout, batch=batch)
+    lone = plan_step(_ready(1, samples_each=1), step=1, parallel=parallel, batch=batch)
     assert lone.num_padding_microbatches == 1 and sorted(s.num_samples for s in lone.shards) == [0, 1]
     assert all(s.num_microbatches == 1 for s in lone.shards)  # the empty rank still runs one (empty) micro-batch
-    lone_legacy = plan_step(_ready(1, samples_each=1), step=1, layout=legacy_layout, batch=batch)
-    assert lone_legacy.num_padding_microbatches == 1
 
 
 def test_leftover_action():

@@ -85,7 +85,11 @@ def test_lora_and_a_float_written_without_a_dot_reach_the_train_group():
         (["scheduler.batch.max_tokens_per_gpu=null", "scheduler.batch.micro_batch_size=3"],
          r"step_size % \(dp_size \* micro_batch_size \* mb_group\) == 0"),
         (["scheduler.batch.global_batch_size=1"], r"global_batch_size=1 rollouts is fewer than"),
-        (["preset=synthetic", "scheduler.max_staleness=1"], r"one staleness bound, train.loss.off_policy"),
+        (["preset=synthetic", "scheduler.max_staleness=1"],
+         r"'scheduler.max_staleness' is not set by hand: the job derives it from train.loss.off_policy.max_staleness"),
+        (["scheduler.retain_until_checkpoint=true"], r"'scheduler.retain_until_checkpoint' .* from run.max_failures"),
+        (["scheduler.intake.vocab_size=7"], r"'scheduler.intake.vocab_size' .* from train.model.vocab_size"),
+        (["scheduler.batch.flops_model.num_layers=7"], r"'scheduler.batch.flops_model' .* from train.model"),
         (["preset=nope"], r"preset 'nope' is unknown; pick one of \['closed_loop', 'long_tail', 'synthetic', 'tool_use'\]"),
         (["closed_loop.num_prompts=0"], r"closed_loop.num_prompts must be an integer >= 1"),
         (["closed_loop.weight_sync.dtype=bfloat16"], r"dtype=bfloat16 needs weight_sync.transport=collective"),
@@ -119,6 +123,28 @@ def test_off_policy_keys_reach_the_loss_and_bad_combinations_fail():
         load_job_config(None, ["train.loss.off_policy.clip_eps=0.1"])
     with pytest.raises(ConfigError, match=r"policy='decoupled_ppo': policy_kwargs \['clip'\] do not fit .*clip_eps"):
         load_job_config(None, ["train.loss.policy_kwargs.clip=0.1"])
+
+
+def test_flops_balance_weighs_sequences_by_the_policys_own_dimensions_and_help_lists_no_derived_key():
+    config = load_job_config(None, ["scheduler.batch.balance=flops", "train.model.num_layers=3"])
+    flops = config.scheduler.batch.flops_model
+    model = config.train.model
+    assert config.scheduler.batch.balance == "flops"
+    assert (flops.num_layers, flops.hidden_size, flops.vocab_size) == (3, model.hidden_size, model.vocab_size)
+    assert load_job_config(None, []).scheduler.batch.flops_model is None  # tokens balance: no cost model
+    listed = options_help()
+    for key in ("scheduler.max_staleness", "scheduler.retain_until_checkpoint", "scheduler.intake.vocab_size",
+                "scheduler.batch.flops_model", "scheduler.features"):
+        assert f"  {key}" not in listed
+    assert "  scheduler.intake.max_sequence_length" in listed  # a user may tighten it below the model's
+
+
+def test_keys_of_the_removed_layout_path_are_refused_saying_why():
+    with pytest.raises(ConfigError, match=r"'scheduler.features' was removed: every step is laid out on the rollout side"):
+        load_job_config(None, ["scheduler.features=[multimodal]"])
+    with pytest.raises(ConfigError, match=r"'train.loss.legacy_max_tokens_per_microbatch' was removed: .*"
+                                          r"scheduler.batch.max_tokens_per_gpu"):
+        load_job_config(None, ["train.loss.legacy_max_tokens_per_microbatch=512"])
 
 
 def test_parallel_sizes_the_cluster_cannot_hold_fail_before_any_actor():

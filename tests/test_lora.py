@@ -15,13 +15,10 @@ import torch
 
 from actors.train_config import TrainGroupConfig
 from tests.hf_support import megatron_logits, model_config_for, tiny_hf_model
-from tests.train_support import inprocess_trainer, make_samples, run_two_ranks, sgd_config
-from vgbs_ray.config import BatchConfig, ParallelConfig
+from tests.train_support import inprocess_trainer, layout_shards, make_samples, run_two_ranks, sgd_config
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.lora import (AdapterMismatchError, LoraConfig, base_model_name, load_peft_adapter,
                            merge_into_hf_weights, save_peft_adapter)
-from vgbs_ray.schedule import build_dp_schedule
-from vgbs_ray.shard import build_step_shards
 
 LORA = LoraConfig(rank=4, alpha=8.0)
 ATTENTION_LORA = dataclasses.replace(LORA, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
@@ -35,11 +32,7 @@ def random_adapters(trainer, seed: int, scale: float = 0.05) -> dict[str, np.nda
 
 
 def one_step_shards(samples, dp_size: int):
-    schedule = build_dp_schedule([s.total_length for s in samples], [s.rollout_id for s in samples],
-                                 ParallelConfig(dp_size=dp_size),
-                                 BatchConfig(global_batch_size=len({s.rollout_id for s in samples}),
-                                             max_tokens_per_gpu=160))
-    return build_step_shards(samples, schedule.steps[0], 0)
+    return layout_shards(samples, dp_size=dp_size, max_tokens=160)
 
 
 # -- config ------------------------------------------------------------------------------------

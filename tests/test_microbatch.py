@@ -6,23 +6,17 @@ import numpy as np
 import pytest
 import torch
 
-from tests.train_support import make_samples
-from vgbs_ray.config import BatchConfig, ParallelConfig
+from tests.train_support import layout_shards, make_samples
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.lr_schedule import LRScheduleConfig, lr_at
-from vgbs_ray.microbatch import legacy_micro_batches, pack_micro_batch, pad_micro_batches
+from vgbs_ray.microbatch import pack_micro_batch
 from vgbs_ray.policy_loss import micro_batch_policy_loss, undo_averaging_factor
 from vgbs_ray.sample import make_rollout
-from vgbs_ray.schedule import build_dp_schedule
-from vgbs_ray.shard import build_legacy_shards, build_step_shards
+from vgbs_ray.shard import single_micro_batch_shard
 
 
 def _shards(samples, dp_size=2, max_tokens=120, balance="tokens"):
-    schedule = build_dp_schedule([s.total_length for s in samples], [s.rollout_id for s in samples],
-                                 ParallelConfig(dp_size=dp_size),
-                                 BatchConfig(global_batch_size=len({s.rollout_id for s in samples}),
-                                             max_tokens_per_gpu=max_tokens, balance=balance))
-    return build_step_shards(samples, schedule.steps[0], 0)
+    return layout_shards(samples, dp_size=dp_size, max_tokens=max_tokens, balance=balance)
 
 
 def test_packed_micro_batch_tokens_positions_and_scoring():
@@ -51,21 +45,10 @@ def test_packed_micro_batch_tokens_positions_and_scoring():
 def test_response_without_prompt_token_is_not_scored():
     samples = make_rollout("a", [dict(tokens=np.arange(5), response_length=5, loss_mask=np.ones(5, np.int8))],
                            reward=1.0, advantage=1.0)
-    shard = build_legacy_shards(samples, 0, 1)[0]
+    shard = single_micro_batch_shard(samples)
     mb = pack_micro_batch(shard, [0])
     assert mb.loss_weight.tolist() == [0, 1, 1, 1, 1]  # the first token has no logits before it
     assert mb.rollout_mask_sums.tolist() == [5]  # the denominator stays the rollout total
-
-
-def test_legacy_split_respects_cap_and_pads():
-    lengths = [50, 40, 30, 20, 90, 10]
-    bins = legacy_micro_batches(lengths, 100)
-    assert sorted(i for b in bins for i in b) == list(range(6))
-    assert all(sum(lengths[i] for i in b) <= 100 for b in bins)
-    padded = pad_micro_batches(bins, len(bins) + 2)
-    assert padded[:len(bins)] == bins and padded[len(bins):] == [[], []]
-    with pytest.raises(ValueError):
-        pad_micro_batches(bins, len(bins) - 1)
 
 
 def _loss_with(log_probs_fn, shard, num_rollouts):

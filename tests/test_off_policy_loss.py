@@ -16,7 +16,7 @@ from vgbs_ray.microbatch import pack_micro_batch
 from vgbs_ray.off_policy import OffPolicyConfig
 from vgbs_ray.policy_loss import METRIC_NAMES, micro_batch_loss, micro_batch_policy_loss
 from vgbs_ray.sample import make_rollout
-from vgbs_ray.shard import build_legacy_shards
+from vgbs_ray.shard import single_micro_batch_shard
 
 DECOUPLED = build_loss("decoupled_ppo", {"is_weight_cap": 2.0}, max_staleness=2)
 PPO = build_loss("ppo")
@@ -66,7 +66,7 @@ def micro_batch():
     samples = (make_rollout("a", [row(6, 3), row(8, 4, [1, 0, 1, 1])], reward=1.0, advantage=1.2)
                + make_rollout("b", [row(5, 2)], reward=0.0, advantage=-0.7)
                + make_rollout("c", [row(7, 5, [1, 1, 0, 0, 1])], reward=0.5, advantage=0.4))
-    shard = build_legacy_shards(samples, step=0, dp_size=1)[0]
+    shard = single_micro_batch_shard(samples)
     return pack_micro_batch(shard, range(shard.num_samples)), shard
 
 

@@ -17,13 +17,11 @@ import pytest
 
 from actors.train_config import LossConfig
 from tests.train_support import (assert_same_update, inprocess_trainer, loss_cases_worker, make_samples,
-                                 run_two_ranks, sgd_config, update_between)
-from vgbs_ray.config import BatchConfig, ParallelConfig
+                                 layout_shards, run_two_ranks, sgd_config, update_between)
 from vgbs_ray.losses import CorrectionConfig
 from vgbs_ray.metrics import reduce_metric_pairs
 from vgbs_ray.microbatch import pack_micro_batch
-from vgbs_ray.schedule import build_dp_schedule
-from vgbs_ray.shard import build_legacy_shards, build_step_shards
+from vgbs_ray.shard import single_micro_batch_shard
 
 PROXIMAL = {"anchor": "proximal"}
 CASES = {
@@ -47,7 +45,7 @@ def _samples():
     """10 rollouts of 1-4 samples in prompt groups of 2, behaviour = the step-start policy + noise."""
     samples = [dataclasses.replace(s, group_id=f"g{int(str(s.rollout_id)[1:]) // 2}", group_size=2)
                for s in make_samples(61, 10, max_len=60)]
-    shard = build_legacy_shards(samples, 0, 1)[0]
+    shard = single_micro_batch_shard(samples)
     start = inprocess_trainer(sgd_config()).step_start_log_probs([pack_micro_batch(shard, range(shard.num_samples))])[0]
     noise = np.random.default_rng(5)
     pieces = np.split(start.numpy(), np.cumsum([s.response_length for s in samples])[:-1])
@@ -56,10 +54,7 @@ def _samples():
 
 
 def _shards(samples, dp_size: int):
-    batch = BatchConfig(global_batch_size=len({s.rollout_id for s in samples}), max_tokens_per_gpu=120)
-    schedule = build_dp_schedule([s.total_length for s in samples], [s.rollout_id for s in samples],
-                                 ParallelConfig(dp_size=dp_size), batch)
-    return build_step_shards(samples, schedule.steps[0], 0)
+    return layout_shards(samples, dp_size=dp_size, max_tokens=120)
 
 
 def _spawned(pp_size: int, cases: list, initial: dict) -> dict:
@@ -87,8 +82,8 @@ def step_results():
     # all-reduce (its shard's behaviour log-probs are an empty array, not None), or the first would wait forever.
     lone_samples = [s for s in samples if s.rollout_id == samples[0].rollout_id][:1]
     lone_samples = [dataclasses.replace(lone_samples[0], rollout_size=1, sample_index=0)]
-    lone1, lone2 = _shards(lone_samples, 1)[0], build_legacy_shards(lone_samples, 0, 2)
-    assert lone2[1].num_samples == 0
+    lone1, lone2 = _shards(lone_samples, 1)[0], _shards(lone_samples, 2)
+    assert sorted(s.num_samples for s in lone2) == [0, 1]
     trainer = inprocess_trainer(sgd_config(loss=CASES["gspo_rollout"]))
     trainer.load_full_parameters(initial)
     lone_result = trainer.train_shard(lone1)

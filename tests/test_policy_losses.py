@@ -16,7 +16,7 @@ from vgbs_ray.losses.loading import LossOutputError, ResolvedLoss, build_loss
 from vgbs_ray.microbatch import pack_micro_batch
 from vgbs_ray.policy_loss import micro_batch_loss
 from vgbs_ray.sample import make_rollout
-from vgbs_ray.shard import build_legacy_shards
+from vgbs_ray.shard import single_micro_batch_shard
 
 # -- a step: 4 rollouts in 2 prompt groups; rollout "a" has 2 samples, "d" 3 ---------------------
 
@@ -33,7 +33,7 @@ def step_shard():
                + make_rollout("c", [row(7, 5, [1, 1, 0, 0, 1])], reward=0.5, advantage=0.4, group_id="q", group_size=2)
                + make_rollout("d", [row(4, 2), row(6, 3), row(5, 1)], reward=0.2, advantage=-0.3, group_id="q",
                               group_size=2))
-    return build_legacy_shards(samples, step=0, dp_size=1)[0]
+    return single_micro_batch_shard(samples)
 
 
 SHARD = step_shard()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from jobs.progress import StepLine, StepRecorder, plot_records, read_records
 
 BASE = dict(step=3, num_rollouts=64, num_samples=90, microbatches_per_rank=1, num_tokens=500, loss=-0.01,
-            reward=0.5, step_time_s=0.2, lr=1e-3, layout="rollout_side", partial=False)
+            reward=0.5, step_time_s=0.2, lr=1e-3, partial=False)
 
 
 def test_synthetic_line_has_no_closed_loop_fields():

@@ -1,4 +1,4 @@
-"""SchedulerActor on a real in-process Ray: steps, leftovers, validation, backpressure, legacy path.
+"""SchedulerActor on a real in-process Ray: steps, leftovers, validation, backpressure.
 
 Each test starts its own named scheduler on the shared `ray_session` and kills it at the end.
 """
@@ -82,8 +82,7 @@ def test_32_rollouts_gbs_24_partial_emits_24_then_8(scheduler_factory):
     gbs, dp = 24, 2
     scheduler = scheduler_factory("sched-partial", batch=BatchConfig(global_batch_size=gbs, max_tokens_per_gpu=64,
                                                                      leftover="partial"))
-    decision = call(scheduler.register_train_group, ParallelConfig(dp_size=dp))
-    assert decision.rollout_side
+    call(scheduler.register_train_group, ParallelConfig(dp_size=dp))
     rollouts = many_rollouts(32, seed=1, max_samples=3)
     completed = push_shuffled(scheduler, rollouts, seed=2)
     assert sorted(completed) == sorted(f"r{i}" for i in range(32))
@@ -117,7 +116,7 @@ def test_32_rollouts_gbs_24_partial_emits_24_then_8(scheduler_factory):
     with pytest.raises(SchedulerStateError, match="released"):
         call(scheduler.get_shard, 0, 0, timeout_s=1)
     with pytest.raises(SchedulerStateError, match="acknowledged"):
-        call(scheduler.ack_step, 0, 0)
+        call(scheduler.ack_ranks, 0, {0: None})
     with pytest.raises(SchedulerStateError, match="end_of_input"):
         call(scheduler.submit, rollout_rows("late", 1))
 
@@ -135,7 +134,7 @@ def test_one_call_gets_every_rank_and_one_acks_them_and_a_refused_ack_changes_no
     pairs = {"loss": (2.0, 4.0)}
     with pytest.raises(ConfigError, match="rank 3 is outside"):
         call(scheduler.ack_ranks, 0, {0: pairs, 3: pairs})
-    assert call(scheduler.ack_step, 0, 0, pairs) is False  # rank 0 alone: the refused call above recorded nothing
+    assert call(scheduler.ack_ranks, 0, {0: pairs}) is False  # rank 0 alone: the refused call above recorded nothing
     with pytest.raises(SchedulerStateError, match="rank 0 acknowledged twice"):
         call(scheduler.ack_ranks, 0, {1: pairs, 0: pairs})
     assert not call(scheduler.step_record, 0).trained
@@ -151,8 +150,8 @@ def test_one_call_gets_every_rank_and_one_acks_them_and_a_refused_ack_changes_no
 def test_the_shards_of_a_nodes_ranks_are_one_object(scheduler_factory):
     scheduler = scheduler_factory("sched-node-objects", batch=BatchConfig(global_batch_size=6, max_tokens_per_gpu=64))
     with pytest.raises(ConfigError, match="one per DP rank"):
-        call(scheduler.register_train_group, ParallelConfig(dp_size=3), True, ["a", "b"])
-    call(scheduler.register_train_group, ParallelConfig(dp_size=3), True, ["node-b", "node-a", "node-b"])
+        call(scheduler.register_train_group, ParallelConfig(dp_size=3), ["a", "b"])
+    call(scheduler.register_train_group, ParallelConfig(dp_size=3), ["node-b", "node-a", "node-b"])
     call(scheduler.submit, [row for rollout in many_rollouts(6, seed=4, max_samples=2) for row in rollout])
     refs = call(scheduler.get_step, 0, timeout_s=30)
     assert [r.index for r in refs] == [0, 0, 1] and refs[0].ref == refs[2].ref != refs[1].ref  # one object per node
@@ -204,7 +203,7 @@ def test_bad_inputs_are_rejected_and_reported_without_disturbing_accepted(schedu
         call(scheduler.get_shard, 0, 3, timeout_s=1)
     shard = ray.get(ref.ref, timeout=30)
     assert sorted(set(shard.rollout_ids)) == ["ok1", "ok2"]
-    call(scheduler.ack_step, 0, 0)
+    call(scheduler.ack_ranks, 0, {0: None})
     result = call(scheduler.end_of_input)
     assert result.dropped == ("open",)  # incomplete at end: reported, not trained
     stats = call(scheduler.stats, include_rollouts=True, check_ledger=True)
@@ -233,23 +232,24 @@ def test_backpressure_staleness_and_blocking_submit(scheduler_factory):
     wait_for_state(scheduler, lambda st: (st.steps_emitted, st.steps_trained, st.accepted_samples) == (2, 0, 4),
                    "two steps in flight with none trained and the blocked rows not accepted")
     assert ray.wait([blocked], timeout=0)[0] == []
-    call(scheduler.ack_step, 0, 0)
+    call(scheduler.ack_ranks, 0, {0: None})
     assert ray.get(blocked, timeout=30).accepted == 2
     stats = call(scheduler.stats)
     assert stats.deferred_samples == 4 and stats.accepted_samples == 6
 
 
-def test_max_wait_flushes_a_partial_step_and_legacy_path(scheduler_factory):
+def test_max_wait_flushes_a_partial_step(scheduler_factory):
     scheduler = scheduler_factory("sched-wait", batch=BatchConfig(global_batch_size=8, max_tokens_per_gpu=64),
                                   max_wait_s=0.3)
-    call(scheduler.register_train_group, ParallelConfig(dp_size=2), advertise_layout=False)
+    call(scheduler.register_train_group, ParallelConfig(dp_size=2))
     call(scheduler.submit, [r for i in range(3) for r in rollout_rows(f"w{i}", 2)])
     refs = [call(scheduler.get_shard, 0, rank, timeout_s=20) for rank in range(2)]
     shards = [ray.get(r.ref, timeout=30) for r in refs]
-    assert [s.num_rollouts for s in shards] == [3, 3] and not any(s.has_layout for s in shards)
+    assert [s.num_rollouts for s in shards] == [3, 3]
+    assert shards[0].num_microbatches == shards[1].num_microbatches == len(shards[1].micro_batch_indices)
     assert sum(s.num_samples for s in shards) == 6
     record = call(scheduler.step_record, 0)
-    assert record.trigger == "max_wait" and record.layout == "legacy" and "did not advertise" in record.decision_reason
+    assert record.trigger == "max_wait" and record.partial
     assert record.max_completion_to_emission_s >= 0.3
     with pytest.raises(ConfigError, match="dp_size"):
         call(scheduler.register_train_group, ParallelConfig(dp_size=4))  # a different group after steps
@@ -271,7 +271,7 @@ def test_carry_policy_flush_waits_for_train_group_and_drops_at_end(scheduler_fac
     assert ray.get(flushing, timeout=30).kept == 2  # carried: they wait for the next step
     ref = call(scheduler.get_shard, 0, 0, timeout_s=10)
     assert ref.num_rollouts == 4
-    call(scheduler.ack_step, 0, 0)
+    call(scheduler.ack_ranks, 0, {0: None})
     result = call(scheduler.end_of_input)
     assert sorted(result.dropped) == ["c4", "c5"]
     stats = call(scheduler.stats, include_rollouts=True, check_ledger=True)
@@ -300,14 +300,14 @@ def test_rewind_replays_the_steps_after_a_checkpoint_in_order_exactly_once(sched
         ref = call(scheduler.get_shard, step, 0, timeout_s=30)
         first[step] = ray.get(ref.ref, timeout=30).rollout_ids
         if step < 3:  # step 3 is in flight when the train group dies
-            call(scheduler.ack_step, step, 0)
+            call(scheduler.ack_ranks, step, {0: None})
     call(scheduler.checkpointed, 1)  # the last checkpoint holds step 0 only
     assert call(scheduler.rewind, 1) == 6
     replayed = {}
     for step in range(1, 4):
         ref = call(scheduler.get_shard, step, 0, timeout_s=30)
         replayed[step] = ray.get(ref.ref, timeout=30).rollout_ids
-        call(scheduler.ack_step, step, 0)
+        call(scheduler.ack_ranks, step, {0: None})
     assert replayed == {step: first[step] for step in range(1, 4)}  # same rollouts, same order
     call(scheduler.checkpointed, 4)
     stats = call(scheduler.stats, include_rollouts=True, check_ledger=True)
@@ -323,7 +323,7 @@ def test_rewind_without_retention_covers_only_unacknowledged_steps(scheduler_fac
     call(scheduler.register_train_group, ParallelConfig(dp_size=1))
     call(scheduler.submit, [r for i in range(4) for r in rollout_rows(f"v{i}", 1)])
     call(scheduler.get_shard, 1, 0, timeout_s=30)
-    call(scheduler.ack_step, 0, 0)
+    call(scheduler.ack_ranks, 0, {0: None})
     with pytest.raises(SchedulerStateError, match="retain_until_checkpoint"):
         call(scheduler.rewind, 0)
     assert call(scheduler.rewind, 1) == 2  # step 1 was in flight: it comes back
@@ -339,7 +339,7 @@ def test_step_records_of_untrained_steps_outlive_the_window(scheduler_factory):
     call(scheduler.submit, [r for i in range(5) for r in rollout_rows(f"q{i}", 1)])
     call(scheduler.get_shard, 4, 0, timeout_s=30)  # five steps emitted, none trained
     for step in range(5):
-        call(scheduler.ack_step, step, 0)
+        call(scheduler.ack_ranks, step, {0: None})
         assert call(scheduler.step_record, step).trained  # read after the step, like the job does
     assert [r.step for r in call(scheduler.stats).recent_steps] == [3, 4]  # trained ones: the newest 2
     with pytest.raises(SchedulerStateError, match="step_record_window"):
@@ -352,7 +352,7 @@ def test_drop_untrained_ends_a_run_with_every_rollout_trained_or_dropped(schedul
     call(scheduler.register_train_group, ParallelConfig(dp_size=1))
     call(scheduler.submit, [r for i in range(7) for r in rollout_rows(f"u{i}", 1)])
     call(scheduler.get_shard, 2, 0, timeout_s=30)  # steps 0-2 emitted, u6 still buffered
-    call(scheduler.ack_step, 0, 0)
+    call(scheduler.ack_ranks, 0, {0: None})
     call(scheduler.checkpointed, 1)  # the run stops after step 0: steps 1 and 2 never train
     assert call(scheduler.drop_untrained, 1) == 5
     stats = call(scheduler.stats, include_rollouts=True, check_ledger=True)

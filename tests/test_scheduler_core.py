@@ -31,7 +31,7 @@ def make_core(gbs: int = 4, dp: int = 2, *, leftover: str = "partial", restore=N
 
 
 def publish(core: SchedulerCore, rollouts, trigger: str, now: float) -> StepRecord:
-    planned = plan_step(rollouts, step=core.next_step, layout=core.layout, batch=core.config.batch)
+    planned = plan_step(rollouts, step=core.next_step, parallel=core.parallel, batch=core.config.batch)
     return core.publish(rollouts, planned, where=[core.next_step] * len(planned.shards), trigger=trigger,
                         triggered_at=now, now=now)
 
@@ -58,7 +58,7 @@ def drive(core: SchedulerCore, flushes: list[FlushRequest] | None = None, now: f
 
 def ack_all(core: SchedulerCore, records) -> None:
     for record in records:
-        assert core.ack(record.step, {rank: {"loss": (1.0, 1.0)} for rank in range(core.layout.parallel.dp_size)})
+        assert core.ack(record.step, {rank: {"loss": (1.0, 1.0)} for rank in range(core.parallel.dp_size)})
 
 
 def push(core: SchedulerCore, ids, samples_each: int = 2, now: float = 0.0) -> None:

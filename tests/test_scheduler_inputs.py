@@ -28,7 +28,7 @@ def corpus_scheduler(name: str):
     call(scheduler.register_train_group, ParallelConfig(dp_size=1))
     call(scheduler.submit, [sample_row("trained", 0, size=2), sample_row("trained", 1, size=2)])
     call(scheduler.get_shard, 0, 0, timeout_s=30)
-    assert call(scheduler.ack_step, 0, 0)
+    assert call(scheduler.ack_ranks, 0, {0: None})
     dropped = [sample_row("dropped", i, size=2, advantage=None, group=("dropped-group", 1)) for i in range(2)]
     call(scheduler.submit, dropped)
     call(scheduler.submit, [sample_row("open", 0, size=2)])
@@ -65,7 +65,7 @@ def test_after_the_corpus_the_open_rollout_completes_and_trains(pushed):
     ref = call(pushed.get_shard, step, 0, timeout_s=30)
     shard = ray.get(ref.ref, timeout=30)
     assert shard.rollout_ids == ["open", "open"]
-    call(pushed.ack_step, step, 0)
+    call(pushed.ack_ranks, step, {0: None})
     stats = call(pushed.stats, include_rollouts=True, check_ledger=True)
     assert stats.rollout_states["open"] == ("trained", step, None)
 

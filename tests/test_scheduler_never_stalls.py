@@ -59,7 +59,6 @@ def test_every_rollout_trains_or_is_dropped_and_no_flush_times_out(ray_session, 
             assert not end.dropped and trained == set(sizes)  # padding: nothing is too small to train
         for shards in steps:
             assert len({s.num_microbatches for s in shards}) == 1  # lockstep, padding included
-            if shards[0].num_microbatches is not None:  # None: the legacy path (fewer rollouts than a step)
-                assert (shards[0].num_microbatches * dp) % parallel.microbatch_alignment == 0
+            assert (shards[0].num_microbatches * dp) % parallel.microbatch_alignment == 0
     finally:
         ray.kill(scheduler)

@@ -91,7 +91,7 @@ def _step_ids(scheduler, step: int, *, ack: bool) -> list:
     ids = list(call(scheduler.step_record, step).rollout_ids)  # the order the step took them (shards: layout order)
     assert ref.step == shard.step == step and set(shard.rollout_ids) == set(ids)
     if ack:
-        call(scheduler.ack_step, step, 0)
+        call(scheduler.ack_ranks, step, {0: None})
     return ids
 
 

@@ -44,7 +44,7 @@ def schedulers(ray_session):
 def train(scheduler, step: int, dp: int = 1) -> tuple:
     refs = [call(scheduler.get_shard, step, rank, timeout_s=30) for rank in range(dp)]
     for rank in range(dp):
-        call(scheduler.ack_step, step, rank)
+        call(scheduler.ack_ranks, step, {rank: None})
     return call(scheduler.step_record, step).rollout_ids if refs[0] is not None else None
 
 

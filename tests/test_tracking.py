@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def line(step: int, rollouts: int = 8, **extra) -> StepLine:
     return StepLine(step=step, num_rollouts=rollouts, num_samples=rollouts + 2, microbatches_per_rank=2,
                     num_tokens=100 * rollouts, loss=-0.01 * step, reward=0.5, step_time_s=0.3, lr=1e-3,
-                    layout="rollout_side", partial=rollouts < 8, shard_wait_s=0.1, **extra)
+                    partial=rollouts < 8, shard_wait_s=0.1, **extra)
 
 
 class Recording:
@@ -124,8 +124,8 @@ def test_the_vocabulary_names_every_step_field_once_with_valid_distinct_ray_name
     fields = {f.name for f in dataclasses.fields(StepLine)}
     used = [metric.field for metric in VOCABULARY if metric.field]
     assert set(used) <= fields and len(set(used)) == len(used)
-    # Every numeric measurement of a step has a name (step is the x axis; layout is text).
-    assert fields - set(used) == {"step", "layout"}
+    # Every numeric measurement of a step has a name (step is the x axis).
+    assert fields - set(used) == {"step"}
     ray = [metric.ray_name for metric in RAY_GAUGES]
     assert len(set(ray)) == len(ray) and all(re.fullmatch(r"vgbs_job_[a-zA-Z0-9_]+", n) for n in ray)
     values = step_values(line(3, rollouts=5, policy_version=3, log_prob_mismatch=float("nan"),

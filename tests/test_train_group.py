@@ -15,22 +15,17 @@ import ray
 
 from actors.train_config import TrainGroupConfig
 from actors.train_group import PlacementGroupTimeoutError, TrainGroup, TrainStepError
-from tests.train_support import (assert_same_update, inprocess_trainer, make_samples, sgd_config,
+from tests.train_support import (assert_same_update, inprocess_trainer, layout_shards, make_samples, sgd_config,
                                  update_between)
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.flops import TransformerFlopsModel
-from vgbs_ray.schedule import build_dp_schedule
-from vgbs_ray.shard import build_legacy_shards, build_step_shards
 
 FLOPS = TransformerFlopsModel(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128)
 
 
 def _shards(samples, *, dp_size, max_tokens, balance="tokens", step=0):
-    batch = BatchConfig(global_batch_size=len({s.rollout_id for s in samples}), max_tokens_per_gpu=max_tokens,
-                        balance=balance, flops_model=FLOPS if balance == "flops" else None)
-    schedule = build_dp_schedule([s.total_length for s in samples], [s.rollout_id for s in samples],
-                                 ParallelConfig(dp_size=dp_size), batch)
-    return build_step_shards(samples, schedule.steps[0], step)
+    return layout_shards(samples, dp_size=dp_size, max_tokens=max_tokens, step=step, balance=balance,
+                         flops_model=FLOPS if balance == "flops" else None)
 
 
 def _dp1_one_micro_batch_update(samples, start: dict | None = None, **config):
@@ -66,14 +61,10 @@ def test_dp2_many_micro_batches_match_dp1_one_micro_batch_in_every_balance_mode(
         dp2_group.load_state_dict(initial)
         shards = _shards(samples, dp_size=2, max_tokens=110, balance=balance)
         result = dp2_group.train_shards(shards)
-        assert result.path == "layout" and result.num_microbatches == shards[0].num_microbatches >= 3
+        assert result.num_microbatches == shards[0].num_microbatches >= 3
         assert_same_update(expected, update_between(before, dp2_group.full_parameters()))
         for name, (total, count) in expected_result.metrics.items():  # count-weighted, not mean of means
             assert result.metric_pairs[name] == pytest.approx((total, count), rel=1e-5, abs=1e-6), (balance, name)
-    dp2_group.load_state_dict(initial)
-    result = dp2_group.train_shards(build_legacy_shards(samples, 0, 2))
-    assert result.path == "legacy"
-    assert_same_update(expected, update_between(before, dp2_group.full_parameters()))
 
 
 def test_checkpoint_round_trip(dp2_group, tmp_path):
@@ -176,26 +167,7 @@ def test_steps_pulled_from_the_scheduler_actor(dp2_group):
         stats = ray.get(scheduler.stats.remote(), timeout=60)
         assert stats.steps_trained == 2
         for record, result in zip(stats.recent_steps, results):  # the acks carried the ranks' (sum, count) pairs
-            assert record.trained and record.layout == "rollout_side"
+            assert record.trained and record.microbatches_per_rank == (result.num_microbatches,) * 2
             assert record.metrics["loss"] == pytest.approx(result.metric_pairs["loss"], rel=1e-6)
-    finally:
-        ray.kill(scheduler)
-
-
-@pytest.mark.slow
-def test_legacy_path_through_the_scheduler_actor(dp2_group):
-    from vgbs_ray.scheduler_types import SchedulerConfig
-    from actors.scheduler_actor import create_scheduler
-
-    scheduler = create_scheduler(SchedulerConfig(batch=BatchConfig(global_batch_size=6, max_tokens_per_gpu=120)),
-                                 name="train-group-legacy-scheduler")
-    try:
-        decision = dp2_group.register_with(scheduler, advertise_layout=False)
-        assert not decision.rollout_side
-        samples = make_samples(25, 6, id_prefix="legacy")
-        assert ray.get(scheduler.submit.remote(samples), timeout=60).accepted == len(samples)
-        result = dp2_group.train_step(0, scheduler, shard_timeout_s=30)
-        assert result.path == "legacy" and result.num_rollouts == 6
-        assert result.metric_pairs["loss"][1] == pytest.approx(6)
     finally:
         ray.kill(scheduler)

@@ -3,8 +3,8 @@
 Every test compares plain-SGD updates (lr 1, no clipping, float32) of a pipelined group with
 the PP=1 update of an in-process rank from the same initial weights (`load_full_parameters`)
 on the same fixed rollouts: 1F1B at PP=2, interleaved at PP=2 x VPP=2 (with a padding
-micro-batch), old log-probs recomputed with `forward_only`, the legacy path, TP=2 x PP=2 on
-four ranks and PP=4 x VPP=2.
+micro-batch), old log-probs recomputed with `forward_only`, TP=2 x PP=2 on four ranks and
+PP=4 x VPP=2.
 """
 
 from __future__ import annotations
@@ -16,19 +16,16 @@ import ray
 
 from actors.train_config import ModelConfig
 from actors.train_group import TrainGroup
-from tests.train_support import assert_same_update, inprocess_trainer, make_samples, sgd_config, update_between
+from tests.train_support import (assert_same_update, inprocess_trainer, layout_shards, make_samples, sgd_config,
+                                 update_between)
 from vgbs_ray.config import BatchConfig, ParallelConfig
-from vgbs_ray.schedule import build_dp_schedule
-from vgbs_ray.shard import build_legacy_shards, build_step_shards
 
 FOUR_LAYERS = ModelConfig(num_layers=4)
 EIGHT_LAYERS = ModelConfig(num_layers=8)
 
 
 def _shards(samples, parallel: ParallelConfig, *, max_tokens: int):
-    batch = BatchConfig(global_batch_size=len({s.rollout_id for s in samples}), max_tokens_per_gpu=max_tokens)
-    schedule = build_dp_schedule([s.total_length for s in samples], [s.rollout_id for s in samples], parallel, batch)
-    return build_step_shards(samples, schedule.steps[0], 0)
+    return layout_shards(samples, parallel=parallel, max_tokens=max_tokens)
 
 
 def _pp1_update(model: ModelConfig, shard):
@@ -82,15 +79,6 @@ def test_pp2_recomputes_old_log_probs_with_forward_only(pp2_group):
     assert_same_update(expected, update)
     assert result.metrics["ratio"] == pytest.approx(1.0, rel=1e-5)  # new == old before the update
     _assert_same_metrics(expected_result.metrics, result.metric_pairs)
-
-
-def test_pp2_legacy_path_matches_pp1(pp2_group):
-    samples = make_samples(32, 8)
-    legacy = build_legacy_shards(samples, 0, 1)
-    initial, expected, _ = _pp1_update(ModelConfig(), legacy[0])
-    update, result = _group_update(pp2_group, initial, legacy)
-    assert result.path == "legacy"
-    assert_same_update(expected, update)
 
 
 def test_pp2_vpp2_interleaved_with_a_padding_micro_batch_matches_pp1(ray_session):

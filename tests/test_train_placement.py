@@ -18,19 +18,14 @@ from ray.cluster_utils import Cluster
 
 from actors.train_group import TrainGroup, TrainStepError
 from tests.ray_support import start_local_ray
-from tests.train_support import assert_same_update, inprocess_trainer, make_samples, sgd_config, update_between
-from vgbs_ray.config import BatchConfig, ParallelConfig
-from vgbs_ray.schedule import build_dp_schedule
-from vgbs_ray.shard import build_step_shards
+from tests.train_support import (assert_same_update, inprocess_trainer, layout_shards, make_samples, sgd_config,
+                                 update_between)
 
 pytestmark = pytest.mark.slow
 
 
 def _shards(samples, dp_size, step=0):
-    batch = BatchConfig(global_batch_size=len({s.rollout_id for s in samples}), max_tokens_per_gpu=120)
-    schedule = build_dp_schedule([s.total_length for s in samples], [s.rollout_id for s in samples],
-                                 ParallelConfig(dp_size=dp_size), batch)
-    return build_step_shards(samples, schedule.steps[0], step)
+    return layout_shards(samples, dp_size=dp_size, max_tokens=120, step=step)
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from tests.train_support import (assert_same_update, inprocess_trainer, make_samples, record_collectives_worker, run_two_ranks,
-                           reference_update, relative_difference, sgd_config, update_between)
+from tests.train_support import (assert_same_update, inprocess_trainer, layout_shards, make_samples,
+                                 record_collectives_worker, reference_update, relative_difference, run_two_ranks,
+                                 sgd_config, update_between)
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.lr_schedule import LRScheduleConfig, lr_at
 from vgbs_ray.sample import make_rollout
 from vgbs_ray.schedule import build_dp_schedule
-from vgbs_ray.shard import build_legacy_shards, build_step_shards
+from vgbs_ray.shard import build_step_shards
 
 
 def _schedule(samples, *, dp_size=1, gbs=None, max_tokens=4096, balance="tokens", leftover="partial"):
@@ -79,16 +80,6 @@ def test_rollout_with_four_samples_weighs_as_much_as_one_with_one():
     assert relative_difference(update_one, per_sample) > 0.05
 
 
-def test_legacy_path_trains_the_same_update():
-    samples = make_samples(15, 8)
-    layout_update, layout_result = _train_one_step(sgd_config(), samples, max_tokens=120)
-    trainer = inprocess_trainer(sgd_config())
-    before = trainer.full_parameters()
-    result = trainer.train_shard(build_legacy_shards(samples, 0, 1)[0])
-    assert result.path == "legacy" and layout_result.path == "layout"
-    assert_same_update(layout_update, update_between(before, trainer.full_parameters()))
-
-
 def test_variable_size_steps_24_then_8_rollouts():
     samples = make_samples(16, 32, max_siblings=3, max_len=40)
     schedule = _schedule(samples, gbs=24, max_tokens=400)
@@ -119,36 +110,29 @@ def test_a_step_issues_only_the_gradient_and_grad_norm_sums():
     """Two spawned gloo ranks (dp=2) record every torch.distributed collective of a step."""
     samples = make_samples(17, 8)
     layout = build_step_shards(samples, _schedule(samples, dp_size=2, max_tokens=100).steps[0], 0)
-    legacy = build_legacy_shards(samples, 1, 2)
-    # the scheduler may give a rank an empty legacy shard: it still joins every collective
-    lone = build_legacy_shards(make_samples(20, 1, max_siblings=1), 2, 2)
-    assert lone[1].num_samples == 0
-    phases = {"layout": layout, "legacy": legacy, "empty_legacy": lone}
-    for rank, by_phase, num_params, _ in _record_collectives(phases):
+    # a step of one sample: the scheduler gives the second rank only a padding micro-batch; it still joins
+    # every collective, the same ones
+    lone = layout_shards(make_samples(20, 1, max_siblings=1), dp_size=2, step=1)
+    assert sorted(s.num_samples for s in lone) == [0, 1]
+    for rank, by_phase, num_params, _ in _record_collectives({"layout": layout, "lone": lone}):
         calls, num_microbatches = by_phase["layout"]
         assert num_microbatches == layout[rank].num_microbatches > 1
         # exactly: Megatron DDP's gradient SUM (one flat buffer), then its optimizer's SUM of the squared
         # grad norm over the model-parallel group. Metrics travel in the result, not in a collective.
         assert calls == [("all_reduce", "SUM", num_params), ("all_reduce", "SUM", 1)]
-        legacy_calls, _ = by_phase["legacy"]
-        assert legacy_calls[0][:2] == ("all_reduce", "MAX")  # the legacy path must agree on a count
-        assert legacy_calls[1:] == calls
-        assert by_phase["empty_legacy"][0] == legacy_calls
+        assert by_phase["lone"][0] == calls
 
 
 def test_a_pipelined_step_agrees_on_no_count():
     """PP=2 on two spawned gloo ranks: stages exchange activations point to point, never an all-reduce(MAX)."""
     samples = make_samples(19, 8)
     layout = build_step_shards(samples, _schedule(samples, max_tokens=100).steps[0], 0)
-    legacy = build_legacy_shards(samples, 1, 1)
-    for rank, by_phase, _, _ in _record_collectives({"layout": layout, "legacy": legacy}, pp_size=2):
+    for rank, by_phase, _, _ in _record_collectives({"layout": layout}, pp_size=2):
         calls, num_microbatches = by_phase["layout"]
         assert num_microbatches == layout[0].num_microbatches > 1
         assert not [c for c in calls if c[:2] == ("all_reduce", "MAX")], calls
         point_to_point = [c for c in calls if c[0] in ("send", "recv", "isend", "irecv")]
         assert len(point_to_point) >= 2 * num_microbatches  # activations forward, gradients back (and shapes)
-        legacy_calls, _ = by_phase["legacy"]
-        assert legacy_calls[0][:2] == ("all_reduce", "MAX")
 
 
 def test_padding_micro_batches_run_as_zero_contributions():

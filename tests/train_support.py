@@ -14,8 +14,11 @@ import numpy as np
 import torch
 
 from actors.train_config import ModelConfig, OptimizerConfig, TrainGroupConfig
+from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.lr_schedule import LRScheduleConfig
 from vgbs_ray.sample import Sample, make_rollout
+from vgbs_ray.schedule import build_dp_schedule
+from vgbs_ray.shard import StepShard, build_step_shards
 
 VOCAB = ModelConfig().vocab_size
 
@@ -45,6 +48,19 @@ def make_samples(seed: int, num_rollouts: int, *, max_siblings: int = 4, min_len
             rows.append(row)
         samples += make_rollout(f"{id_prefix}{r}", rows, reward=float(rng.random()), advantage=float(rng.normal()))
     return samples
+
+
+def layout_shards(samples: Sequence[Sample], *, dp_size: int = 1, max_tokens: int = 1024, step: int = 0,
+                  parallel: ParallelConfig | None = None, **batch) -> list[StepShard]:
+    """The scheduler's shards of `samples` as one step (all their rollouts): laid out for `parallel` (default:
+    `dp_size` ranks) under `max_tokens` per micro-batch; `batch` adds BatchConfig fields (balance, ...)."""
+    parallel = parallel or ParallelConfig(dp_size=dp_size)
+    num_rollouts = len({s.rollout_id for s in samples})  # fewer than the alignment: a partial step, as the scheduler's
+    batch_config = BatchConfig(global_batch_size=max(num_rollouts, parallel.microbatch_alignment),
+                               max_tokens_per_gpu=max_tokens, **batch)
+    schedule = build_dp_schedule([s.total_length for s in samples], [s.rollout_id for s in samples],
+                                 parallel, batch_config)
+    return build_step_shards(samples, schedule.steps[0], step)
 
 
 _DIST_READY = False

@@ -1,6 +1,6 @@
 """vgbs-ray core: importable without a Ray cluster or Megatron.
 
-Modules (one concept each):
+Modules (one concept each; docs/architecture.md lists them all):
   errors      one error base class and its kinds
   config      ParallelConfig, BatchConfig (frozen, validated at construction)
   flops       FLOPs cost of a dense GQA transformer per sequence
@@ -11,5 +11,5 @@ Modules (one concept each):
   shard       StepShard: what one DP rank trains in one step
   loss        per-rollout loss accounting (torch)
   metrics     (sum, count) metric pairs and their count-weighted reduction
-  eligibility whether the rollout side may precompute the layout
+  scheduler_core, producer_core   the scheduler's and a producer's state, Ray-free
 """

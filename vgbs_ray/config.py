@@ -8,7 +8,7 @@ so a static batch that can never be aligned fails before any rollout is produced
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.flops import TransformerFlopsModel
@@ -64,6 +64,8 @@ class BatchConfig:
     (static chunks, samples) is set.
     """
 
+    derived_keys: ClassVar[dict[str, str]] = {"flops_model": "train.model (with scheduler.batch.balance=flops)"}
+
     global_batch_size: int
     """Rollouts per optimizer step (not samples)."""
     max_tokens_per_gpu: int | None = None
@@ -75,7 +77,7 @@ class BatchConfig:
     leftover: LeftoverPolicy = "partial"
     """Rollouts past the last full step: "drop" (reported), "partial" (one smaller last step), "carry"."""
     flops_model: TransformerFlopsModel | None = None
-    """Model dimensions for balance="flops"."""
+    """Model dimensions for balance="flops" (a job fills them from train.model)."""
 
     def __post_init__(self):
         _require_positive("BatchConfig", global_batch_size=self.global_batch_size)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Hashable, NamedTuple, Sequence
+from typing import Any, ClassVar, Hashable, NamedTuple, Sequence
 
 from vgbs_ray.advantages import DEFAULT_EPS, group_advantages, is_uniform_group
 from vgbs_ray.errors import ConfigError, RolloutValidationError
@@ -55,6 +55,8 @@ UNIFORM_GROUP_REASON = "uniform_group_reward"
 
 @dataclass(frozen=True, kw_only=True)
 class IntakeConfig:
+    derived_keys: ClassVar[dict[str, str]] = {"vocab_size": "train.model.vocab_size"}
+
     max_buffered_samples: int | None = None
     """Bound on buffered samples (open + waiting for group + ready); None = unbounded."""
     max_buffered_tokens: int | None = None

@@ -1,7 +1,6 @@
 """Packed micro-batches from a StepShard: the tensors one forward/backward runs on.
 
     pack_micro_batch(shard, positions) -> PackedMicroBatch
-    legacy_micro_batches(total_lengths, max_tokens) -> list[list[int]]
 
 Packing (THD): the micro-batch's samples are laid back to back in one row of T tokens, in
 the order `positions` gives; `cu_seqlens` marks each sequence's start, position ids restart
@@ -29,7 +28,6 @@ import numpy as np
 import torch
 
 from vgbs_ray.normalisers import StepTotals
-from vgbs_ray.packing import first_fit_decreasing
 from vgbs_ray.shard import StepShard
 
 
@@ -133,19 +131,3 @@ def pack_micro_batch(shard: StepShard, positions: Sequence[int]) -> PackedMicroB
         group_mask_sums=torch.from_numpy(shard.group_mask_sums[positions].astype(np.int64)),
         step_totals=shard.step_totals,
     )
-
-
-def legacy_micro_batches(total_lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """The legacy path: a rank packs its own samples under `max_tokens` (first-fit-decreasing).
-
-    The count differs between ranks; the caller agrees on it with all-reduce(MAX) and pads
-    with `pad_micro_batches`.
-    """
-    return first_fit_decreasing(np.asarray(total_lengths, dtype=np.int64), max_tokens)
-
-
-def pad_micro_batches(micro_batches: list[list[int]], count: int) -> list[list[int]]:
-    """Append empty (zero-weight) micro-batches up to `count` (the all-reduced maximum)."""
-    if count < len(micro_batches):
-        raise ValueError(f"cannot pad {len(micro_batches)} micro-batches down to {count}")
-    return [list(mb) for mb in micro_batches] + [[] for _ in range(count - len(micro_batches))]

@@ -5,7 +5,7 @@
     out = core.ingest(samples, now=time.monotonic())           # validate, buffer, complete, advantage
     action = core.next_action(now=..., flush_requests=(), active_datasets=0)
     rollouts = core.take(action.rollout_ids)                    # EmitFullStep: the step's rollouts
-    planned = plan_step(rollouts, step=core.next_step, layout=core.layout, batch=config.batch)
+    planned = plan_step(rollouts, step=core.next_step, parallel=core.parallel, batch=config.batch)
     record = core.publish(rollouts, planned, where=shards_in_store, trigger="full", ...)
     core.ack(record.step, {0: pairs, 1: pairs})                 # True: every rank trained it
 
@@ -32,7 +32,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Mapping, Sequence
 
 from vgbs_ray.config import ParallelConfig, check_schedule_configs
-from vgbs_ray.eligibility import SchedulingDecision, decide_scheduling
 from vgbs_ray.errors import ConfigError, SchedulerStateError
 from vgbs_ray.intake import IngestOutcome, ReadyRollout, RolloutIntake
 from vgbs_ray.ledger import Ledger
@@ -46,7 +45,7 @@ from vgbs_ray.token_budget import TokenBudget
 from vgbs_ray.staleness import STALE_REASON, oldest_versions, staleness_stats
 from vgbs_ray.staleness_window import StalenessWindow
 from vgbs_ray.step_choice import FifoChooser, StepChooser
-from vgbs_ray.stepping import Layout, PlannedStep, leftover_action, leftover_drop_reason
+from vgbs_ray.stepping import PlannedStep, leftover_action, leftover_drop_reason
 
 
 class SchedulerEvents:
@@ -88,8 +87,8 @@ class SchedulerCore:
         gbs = config.batch.global_batch_size
         self.chooser: StepChooser = (FifoChooser(gbs=gbs) if config.max_staleness is None
                                      else StalenessWindow(gbs=gbs, max_staleness=config.max_staleness))
-        self.layout: Layout | None = None
-        """The registered train group's parallel config and the layout path, decided once at `register`."""
+        self.parallel: ParallelConfig | None = None
+        """The registered train group's parallel config (`register`): steps are laid out for it."""
         self.slots: dict[int, StepSlot] = {}
         self._retained: dict[int, list[ReadyRollout]] = {}  # trained, not yet in a checkpoint (retain_until_checkpoint)
         self._records: OrderedDict[int, StepRecord] = OrderedDict()
@@ -133,20 +132,16 @@ class SchedulerCore:
                       self.name, state.next_step, len(settled), state.num_live_rollouts)
 
     # -- train side --------------------------------------------------------------------
-    def register(self, parallel: ParallelConfig, advertise_layout: bool = True) -> SchedulingDecision:
-        """The train group's parallel config; steps are laid out only after this. The layout path is decided
-        here, once: rollout-side layouts, or the train-side path (advertise_layout=False, or a feature that needs
-        train-side ordering). Raises ConfigError for configs that can never be laid out, or a different layout
-        once steps were emitted."""
+    def register(self, parallel: ParallelConfig) -> None:
+        """The train group's parallel config; steps are laid out only after this, every one for it.
+        Raises ConfigError for configs that can never be laid out, or a different config once steps were
+        emitted."""
         check_schedule_configs(parallel, self.config.batch)
-        decision = decide_scheduling(parallel if advertise_layout else None, features=self.config.features)
-        layout = Layout(parallel, decision)
-        if self.layout is not None and self.next_step and layout != self.layout:
-            raise ConfigError(f"scheduler {self.name!r} already emitted steps for {self.layout.parallel}; "
+        if self.parallel is not None and self.next_step and parallel != self.parallel:
+            raise ConfigError(f"scheduler {self.name!r} already emitted steps for {self.parallel}; "
                               "start a new scheduler for a different train group")
-        self.layout = layout
-        self.log.info("%s: train group registered (%s); scheduling: %s", self.name, parallel, decision.reason)
-        return decision
+        self.parallel = parallel
+        self.log.info("%s: train group registered (%s)", self.name, parallel)
 
     def ack(self, step: int, metrics_by_rank: Mapping[int, dict[str, tuple[float, float]] | None]) -> bool:
         """These DP ranks trained `step`, with their (sum, count) metric pairs. True when the step is complete:
@@ -335,7 +330,7 @@ class SchedulerCore:
         ready = self.intake.ready_rollouts()
         choice = self.chooser.choose(ready, replay=self._replay)
         hold_left = None
-        if choice.waiting_for and self.config.max_hold_s is not None and self.layout is not None:
+        if choice.waiting_for and self.config.max_hold_s is not None and self.parallel is not None:
             held_s = self._held_s(ready, choice, now)
             if held_s is not None and held_s >= self.config.max_hold_s:
                 self._release_hold(held_s)
@@ -343,7 +338,7 @@ class SchedulerCore:
             elif held_s is not None:
                 hold_left = self.config.max_hold_s - held_s
         return next_action(SchedulerView(
-            registered=self.layout is not None, choice=choice, global_batch_size=self.config.batch.global_batch_size,
+            registered=self.parallel is not None, choice=choice, global_batch_size=self.config.batch.global_batch_size,
             leftover=self.config.batch.leftover, flush_requests=tuple(flush_requests), active_datasets=active_datasets,
             oldest_ready_age_s=None if oldest is None else now - oldest, max_wait_s=self.config.max_wait_s,
             hold_left_s=hold_left))
@@ -389,7 +384,7 @@ class SchedulerCore:
         if request.end_of_input:
             self.chooser.discard_in_flight()  # nothing more arrives: no step may wait for them
             self._release_all()
-        while self.layout is not None and self.intake.num_ready >= gbs:
+        while self.parallel is not None and self.intake.num_ready >= gbs:
             rollouts = self._flush_take(partial=False)
             if not rollouts:
                 break
@@ -431,8 +426,7 @@ class SchedulerCore:
             padding_microbatches=planned.num_padding_microbatches,
             samples_per_rank=tuple(s.num_samples for s in planned.shards),
             tokens_per_rank=tuple(s.num_tokens for s in planned.shards),
-            layout="rollout_side" if planned.decision.rollout_side else "legacy",
-            decision_reason=planned.decision.reason, trigger=trigger,
+            trigger=trigger,
             partial=len(ids) < self.config.batch.global_batch_size,
             mean_completion_to_emission_s=sum(waits) / len(waits), max_completion_to_emission_s=max(waits),
             scheduling_latency_s=now - max(triggered_at, max(r.ready_at for r in rollouts)),
@@ -502,7 +496,7 @@ class SchedulerCore:
         """Why no step is there yet, for a timeout's message."""
         return (f"{self.intake.num_ready} rollouts ready (global_batch_size={self.config.batch.global_batch_size}), "
                 f"{self.intake.num_buffered_rollouts} buffered, {self.next_step} steps emitted, "
-                f"train group registered: {self.layout is not None}")
+                f"train group registered: {self.parallel is not None}")
 
     # -- internals ---------------------------------------------------------------------
     def _choose_for_flush(self, *, partial: bool):

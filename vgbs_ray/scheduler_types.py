@@ -8,7 +8,7 @@ store is `actors.shard_ref.ShardRef` (it holds an ObjectRef).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import ClassVar, Hashable
 
 from vgbs_ray.config import BatchConfig
 from vgbs_ray.errors import ConfigError
@@ -23,6 +23,14 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
+    removed_keys: ClassVar[dict[str, str]] = {
+        "features": "every step is laid out on the rollout side (docs/architecture.md, 'One layout path'); "
+                    "multi-LoRA tenants have a scheduler each (the job's tenants section)"}
+    derived_keys: ClassVar[dict[str, str]] = {
+        "max_staleness": "train.loss.off_policy.max_staleness (the job's one staleness bound: the loss corrects "
+                         "for it, the scheduler enforces it while engines run)",
+        "retain_until_checkpoint": "run.max_failures (kept while a failed train group may be recovered)"}
+
     batch: BatchConfig
     """gbs in rollouts, token cap or micro-batch size, balance, leftover policy."""
     intake: IntakeConfig = IntakeConfig()
@@ -39,8 +47,6 @@ class SchedulerConfig:
     when it ends, trains in a later step if the versions that sampled its tokens are recent enough (an agent that
     waited before sampling), else it is dropped as `stale`. A slow rollout never holds the trainer past this (keep it
     below run.shard_timeout_s). None: wait for them however long they take."""
-    features: tuple[str, ...] = ()
-    """Features in use; one needing train-side ordering ("multi_adapter", "multimodal") forces the legacy path."""
     retry_after_s: float = 0.05
     """The wait a deferred producer is told to sleep before resubmitting."""
     max_concurrency: int = 4096
@@ -146,16 +152,13 @@ class StepRecord:
     num_rollouts: int
     num_samples: int
     num_tokens: int
-    microbatches_per_rank: tuple[int | None, ...]
-    """Micro-batches each rank runs (all equal on the layout path; None on the legacy path)."""
+    microbatches_per_rank: tuple[int, ...]
+    """Micro-batches each rank runs (all equal: the layout fixes them)."""
     padding_microbatches: int
-    """Empty micro-batches over all ranks: the step had fewer samples than the alignment needs
-    (on the legacy path: ranks without a sample). They carry no weight; 0 for most steps."""
+    """Empty micro-batches over all ranks: the step had fewer samples than the alignment needs.
+    They carry no weight; 0 for most steps."""
     samples_per_rank: tuple[int, ...]
     tokens_per_rank: tuple[int, ...]
-    layout: str
-    """"rollout_side" or "legacy"."""
-    decision_reason: str
     trigger: str
     """"full", "flush", "max_wait" or "end_of_input"."""
     partial: bool

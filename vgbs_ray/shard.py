@@ -8,8 +8,8 @@ totals, `num_rollouts` among them) so a train worker never recounts anything.
 Flat layout: samples appear in execution order (the rank's partition). `token_ids` holds
 every sample's tokens back to back (`total_lengths` each); `loss_mask` and
 `rollout_log_probs` hold every sample's response tokens back to back
-(`response_lengths` each). `micro_batch_indices` are positions into the shard's samples;
-None means the legacy path (the rank chooses its own micro-batches).
+(`response_lengths` each). `micro_batch_indices` are positions into the shard's samples, the
+micro-batches the rank runs in that order (laid out on the rollout side, `vgbs_ray.schedule`).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ class StepShard:
     dp_size: int
     num_rollouts: int
     """Rollouts in the whole step (all ranks): the loss divisor."""
-    num_microbatches: int | None
-    """Micro-batches this rank runs (the same on every rank); None on the legacy path."""
-    micro_batch_indices: list[list[int]] | None
-    """Per micro-batch, positions into this shard's samples; None on the legacy path."""
+    num_microbatches: int
+    """Micro-batches this rank runs (the same on every rank)."""
+    micro_batch_indices: list[list[int]]
+    """Per micro-batch, positions into this shard's samples (an empty one: a padding micro-batch)."""
     token_ids: np.ndarray
     total_lengths: np.ndarray
     response_lengths: np.ndarray
@@ -59,10 +59,6 @@ class StepShard:
         return int(self.total_lengths.size)
 
     @property
-    def has_layout(self) -> bool:
-        return self.micro_batch_indices is not None
-
-    @property
     def num_tokens(self) -> int:
         return int(self.total_lengths.sum())
 
@@ -81,7 +77,7 @@ def _concat(arrays: list[np.ndarray], dtype) -> np.ndarray:
 
 
 def _shards(partitions: list[list[Sample]], step: int, num_rollouts: int,
-            micro_batch_indices: list | None) -> list[StepShard]:
+            micro_batch_indices: list[list[list[int]]]) -> list[StepShard]:
     """One shard per rank from each rank's samples, in execution order; together the partitions
     hold every sample of the step's rollouts (the rollout mask sums are taken over all of them).
 
@@ -119,13 +115,13 @@ def _shards(partitions: list[list[Sample]], step: int, num_rollouts: int,
     for rank, partition in enumerate(partitions):
         a, b = starts[rank], starts[rank + 1]
         t0, t1, r0, r1 = token_at[a], token_at[b], response_at[a], response_at[b]
-        rank_micro_batches = None if micro_batch_indices is None else micro_batch_indices[rank]
+        rank_micro_batches = micro_batch_indices[rank]
         shards.append(StepShard(
             step=step,
             rank=rank,
             dp_size=dp_size,
             num_rollouts=num_rollouts,
-            num_microbatches=None if rank_micro_batches is None else len(rank_micro_batches),
+            num_microbatches=len(rank_micro_batches),
             micro_batch_indices=rank_micro_batches,
             token_ids=token_ids[t0:t1],
             total_lengths=total_lengths[a:b],
@@ -143,6 +139,14 @@ def _shards(partitions: list[list[Sample]], step: int, num_rollouts: int,
     return shards
 
 
+def single_micro_batch_shard(samples: Sequence[Sample], step: int = 0) -> StepShard:
+    """One rank's shard holding `samples` (whole rollouts) as one micro-batch, in the order given: for a
+    trainer of one rank without a scheduler (pure-torch benchmarks, hand-computed loss tests)."""
+    layout = StepLayout(rollout_ids=tuple(dict.fromkeys(s.rollout_id for s in samples)),
+                        rank_micro_batches=((tuple(range(len(samples))),),))
+    return build_step_shards(samples, layout, step)[0]
+
+
 def build_step_shards(samples: Sequence[Sample], layout: StepLayout, step: int) -> list[StepShard]:
     """One shard per DP rank for a laid-out step.
 
@@ -153,12 +157,3 @@ def build_step_shards(samples: Sequence[Sample], layout: StepLayout, step: int) 
     return _shards([[samples[i] for i in layout.partition(rank)] for rank in range(dp_size)], step,
                    layout.num_rollouts, [layout.micro_batch_indices(rank) for rank in range(dp_size)])
 
-
-def build_legacy_shards(samples: Sequence[Sample], step: int, dp_size: int) -> list[StepShard]:
-    """The legacy path: an even strided DP split of whole rollouts' samples, no layout.
-
-    Each rank picks its own micro-batches and agrees on their count with all-reduce(MAX).
-    The per-rollout normalisers are still precomputed here.
-    """
-    num_rollouts = len({s.rollout_id for s in samples})
-    return _shards([list(samples[rank::dp_size]) for rank in range(dp_size)], step, num_rollouts, None)

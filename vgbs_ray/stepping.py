@@ -1,16 +1,14 @@
 """Turning a step's ready rollouts into per-rank shards, and the leftover policy.
 
-    layout = Layout(parallel, decide_scheduling(parallel))   # once, when the train group registers
-    planned = plan_step(rollouts, step=k, layout=layout, batch=...)
+    planned = plan_step(rollouts, step=k, parallel=parallel, batch=...)   # parallel: the registered train group's
     action = leftover_action(batch.leftover, end_of_input=False)
 
-`plan_step` is pure: on the path the layout names (`vgbs_ray.eligibility`) it lays the step
-out with `layout_step` over the rollouts' samples in first-ready order and builds one
-`StepShard` per DP rank. Invariants: every sample of the given
-rollouts is on exactly one rank; every shard carries the step's true `num_rollouts`;
-siblings share the step. Any non-empty step can be planned: a step with fewer samples than
-micro-batches gets empty padding micro-batches (layout path) or empty shards (legacy path),
-so a step never stalls on alignment.
+`plan_step` is pure: it lays the step out with `layout_step` over the rollouts' samples in
+first-ready order and builds one `StepShard` per DP rank, each with the micro-batches its rank
+runs (the same count on every rank, so no rank agrees on anything at train time). Invariants:
+every sample of the given rollouts is on exactly one rank; every shard carries the step's true
+`num_rollouts`; siblings share the step. Any non-empty step can be planned: a step with fewer
+samples than micro-batches gets empty padding micro-batches, so a step never stalls on alignment.
 """
 
 from __future__ import annotations
@@ -21,40 +19,30 @@ from typing import Literal, Sequence
 import numpy as np
 
 from vgbs_ray.config import BatchConfig, ParallelConfig, LeftoverPolicy
-from vgbs_ray.eligibility import SchedulingDecision
 from vgbs_ray.errors import ScheduleError
 from vgbs_ray.intake import ReadyRollout
 from vgbs_ray.schedule import layout_step
-from vgbs_ray.shard import StepShard, build_legacy_shards, build_step_shards
+from vgbs_ray.shard import StepShard, build_step_shards
 
 LeftoverAction = Literal["partial", "drop", "keep"]
 
 
 @dataclass(frozen=True)
-class Layout:
-    """A registered train group's parallel config and its layout path (decided once, at registration)."""
-
-    parallel: ParallelConfig
-    decision: SchedulingDecision
-
-
-@dataclass(frozen=True)
 class PlannedStep:
     shards: list[StepShard]
-    decision: SchedulingDecision
     num_samples: int
     num_tokens: int
-    num_microbatches: int | None
-    """Micro-batches per rank (the same on every rank); None on the legacy path."""
+    num_microbatches: int
+    """Micro-batches per rank (the same on every rank)."""
     num_padding_microbatches: int
-    """Empty micro-batches over all ranks (layout path), or ranks without a sample (legacy path)."""
+    """Empty micro-batches over all ranks."""
 
 
 def plan_step(
     rollouts: Sequence[ReadyRollout],
     *,
     step: int,
-    layout: Layout,
+    parallel: ParallelConfig,
     batch: BatchConfig,
 ) -> PlannedStep:
     """Lay out one step and build its shards (see module docstring). Pure; O(n log n) in samples."""
@@ -62,22 +50,14 @@ def plan_step(
         raise ScheduleError("a step needs at least one rollout")
     samples = [s for r in rollouts for s in r.samples]
     ids = tuple(r.rollout_id for r in rollouts)
-    parallel, decision = layout.parallel, layout.decision
-    if decision.rollout_side:
-        lengths = np.array([s.total_length for s in samples], dtype=np.int64)
-        layout = layout_step(ids, range(len(samples)), lengths, parallel, batch)
-        shards = build_step_shards(samples, layout, step)
-        num_microbatches, padding = layout.num_microbatches, layout.num_padding_microbatches
-    else:
-        shards = build_legacy_shards(samples, step, parallel.dp_size)
-        num_microbatches, padding = None, sum(1 for s in shards if s.num_samples == 0)
+    lengths = np.array([s.total_length for s in samples], dtype=np.int64)
+    layout = layout_step(ids, range(len(samples)), lengths, parallel, batch)
     return PlannedStep(
-        shards=shards,
-        decision=decision,
+        shards=build_step_shards(samples, layout, step),
         num_samples=len(samples),
-        num_tokens=int(sum(s.total_length for s in samples)),
-        num_microbatches=num_microbatches,
-        num_padding_microbatches=padding,
+        num_tokens=int(lengths.sum()),
+        num_microbatches=layout.num_microbatches,
+        num_padding_microbatches=layout.num_padding_microbatches,
     )
 
 
