@@ -162,6 +162,8 @@ class EngineUtilization:
     """Of those: tokens whose keys and values were reused (the session's history, when routing is sticky)."""
     response_tokens_by_adapter: dict = field(default_factory=dict)
     """Multi-LoRA: tokens sampled per adapter (each tenant's share of the engine's decoding)."""
+    kv_cache_tokens: int = 0
+    """Tokens the engine's KV cache holds: the blocks vLLM allocated at start x their size."""
 
     @property
     def idle_share(self) -> float:
@@ -235,6 +237,9 @@ class RolloutEngine:
             kwargs.update(enable_lora=True, max_loras=len(self._loras),
                           max_lora_rank=next(r for r in _VLLM_LORA_RANKS if r >= top))
         self.llm = LLM(**kwargs)
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        self.kv_cache_tokens = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
+        """Tokens the KV cache holds (vLLM's blocks, sized at start from kv_cache_gib or the GPU's free memory)."""
         self._llm_kwargs, self._model_dir = kwargs, model_dir
         self._lora_requests: dict = {}  # adapter name -> its LoRARequest, once loaded (its requests sample with it)
         self._adapter_dirs: dict[str, str] = {}
@@ -445,7 +450,8 @@ class RolloutEngine:
                                  requests=self._requests, weight_loads=self._weight_loads,
                                  in_flight_loads=self._in_flight_loads,
                                  response_tokens_by_adapter=dict(self._tokens_by_adapter),
-                                 requests_waiting_for_version=self._waiting_for_version)
+                                 requests_waiting_for_version=self._waiting_for_version,
+                                 kv_cache_tokens=self.kv_cache_tokens)
 
     async def _submit(self, kind: str, payload: tuple):
         loop = asyncio.get_running_loop()
@@ -1007,6 +1013,10 @@ class RolloutEnginePool:
     def weight_loads(self, policy_version: int) -> list[ray.ObjectRef]:
         """Refs of every engine's load of `policy_version` from the weight channel (`WeightLoad`s)."""
         return [engine.weight_load.remote(policy_version) for engine in self.engines]
+
+    def kv_cache_tokens(self) -> int:
+        """Tokens the engines' KV caches hold together (each engine its own): what admission by tokens can use."""
+        return sum(u.kv_cache_tokens for u in self.utilization())
 
     def utilization(self) -> list[EngineUtilization]:
         """Each live engine's busy and idle time since it started (see `EngineUtilization`); a dead one is left out."""

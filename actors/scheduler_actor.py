@@ -170,6 +170,11 @@ class SchedulerActor:
             return self.core.export_state(next_step)
 
     # -- admission control (staleness) -------------------------------------------------------
+    async def set_token_budget(self, budget_tokens: int) -> None:
+        """Admit by tokens against `budget_tokens` (the engines' KV caches; SchedulerCore.set_token_budget)."""
+        self._start()
+        self.core.set_token_budget(budget_tokens)
+
     async def admit(self, rollout_ids: Sequence, engine_version: int, producer: int | None = None) -> Admission:
         """May a producer start these rollouts (a GRPO group: all or none) with an engine at policy
         version `engine_version`? See `Admission`: ids the scheduler already holds come back in `known`

@@ -45,12 +45,13 @@ from dataclasses import dataclass, field, replace
 import ray
 
 from actors.agent_producer import PRODUCER_NAME, PromptSpec, create_agent_producer
-from vgbs_ray.producer_core import AgentProducerConfig
 from actors.hf_checkpoint import write_hf_config
 from actors.rollout_engine import RolloutEnginePool
 from actors.shutdown import live_results, start_named, terminate
 from actors.weight_sync import (WeightChannelError, WeightSyncConfig, open_weight_channel, publish_weights,
                                 send_weights)
+from vgbs_ray.producer_core import AgentProducerConfig
+from vgbs_ray.scheduler_types import ENGINES_BUDGET
 
 log = logging.getLogger("vgbs.job")
 
@@ -147,6 +148,8 @@ class ClosedLoop:
     adapter: str | None = None
     """With LoRA, the adapter this loop's publishes carry and its producers sample with (train.lora's `policy`, or
     its tenant's); every publish after the first carries it alone."""
+    kv_cache_tokens: int | None = None
+    """With scheduler.admission_token_budget=engines: the engines' KV caches in tokens, the scheduler's budget."""
     owns_engines: bool = True
     """False for a multi-LoRA tenant's loop: the engines are the job's, shared by every tenant (jobs/tenants.py);
     the loop neither watches nor shuts them down."""
@@ -220,6 +223,10 @@ class ClosedLoop:
                 for _, refs in self.loads:  # the one load just published
                     self.engines.wait_for_weights(refs, loop_config.engines.startup_timeout_s)
                 self._collect_loads()
+                if config.scheduler.admission_token_budget == ENGINES_BUDGET and self.owns_engines:
+                    # the engines' real KV caches, before any producer asks for admission
+                    self.kv_cache_tokens = self.engines.kv_cache_tokens()
+                    ray.get(self.producer_args[1].set_token_budget.remote(self.kv_cache_tokens), timeout=60)
             self.producers = [(actor, actor.run.remote()) for actor in self.launched_producers]
             self.launched_producers = []
             if self.engines is not None and self.owns_engines:

@@ -23,7 +23,7 @@ from typing import Literal
 
 from actors.rollout_engine import EngineConfig
 from actors.weight_sync import WeightSyncConfig
-from vgbs_ray.scheduler_types import SchedulerConfig
+from vgbs_ray.scheduler_types import ENGINES_BUDGET, SchedulerConfig
 from actors.train_config import AdapterConfig, LossConfig, ModelConfig, OptimizerConfig, TrainGroupConfig
 from jobs.config_loader import apply_overrides, config_from_mapping, describe, load_yaml
 from jobs.tracking import LOGGER_NAMES
@@ -392,6 +392,11 @@ class JobConfig:
             raise ConfigError(f"scheduler.admission_token_budget={budget} admits groups against the engines' tokens, "
                               "and closed_loop.enabled=false runs no engines: set closed_loop.enabled=true or leave "
                               "the budget out")
+        if budget == ENGINES_BUDGET:
+            if self.tenants:
+                raise ConfigError("scheduler.admission_token_budget=engines gives one scheduler the engines' whole KV "
+                                  "cache, and tenants share the engines: give the budget in tokens, or leave it out")
+            return
         longest = self.closed_loop.engines.max_model_len
         if budget < longest:
             raise ConfigError(f"scheduler.admission_token_budget={budget} tokens is smaller than one request may be "

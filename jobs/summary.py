@@ -22,9 +22,10 @@ if TYPE_CHECKING:  # annotations only: reporting imports no actors
 
 def engine_summaries(usage) -> list[dict]:
     """Per live engine: idle share, mean requests per vLLM step (how full continuous batching kept it), weight loads
-    (of them, applied with requests in flight) and the prefix cache's hit rate (prompt tokens reused)."""
+    (of them, applied with requests in flight), the prefix cache's hit rate (prompt tokens reused) and the KV cache's
+    size in tokens."""
     return [{"engine": u.engine, "idle_share": round(u.idle_share, 3), "requests_per_step": round(u.requests_per_step, 2),
-             "weight_loads": u.weight_loads, "in_flight_loads": u.in_flight_loads,
+             "weight_loads": u.weight_loads, "in_flight_loads": u.in_flight_loads, "kv_cache_tokens": u.kv_cache_tokens,
              "prefix_cache_hit_rate": None if u.prefix_cache_hit_rate is None else round(u.prefix_cache_hit_rate, 3)}
             for u in usage]
 
@@ -177,7 +178,7 @@ def overlap_summary(trained: list[StepLine], stats, elapsed_s: float | None) -> 
         "stale_dropped_rollouts": drops.get("stale", 0),
         "stale_drop_share": round(drops.get("stale", 0) / finished, 4) if finished else None,
         # admission by tokens (scheduler.admission_token_budget): groups it refused, its final expectation
-        **({"admission_token_refusals": stats.token_refusals,
+        **({"admission_token_budget": stats.token_budget, "admission_token_refusals": stats.token_refusals,
             "admission_tokens_per_rollout": round(stats.tokens_per_rollout, 1)}
            if stats.tokens_per_rollout is not None else {}),
     }

@@ -202,6 +202,9 @@ class Job:
                   f"{resume.scheduler_state.num_live_rollouts} untrained rollouts restored)", flush=True)
         started = time.monotonic()
         self.loop.start(config, self.controller.group, on_recovery=self.metrics.on_recovery)
+        if self.loop.kv_cache_tokens is not None:  # admission_token_budget=engines: a restored scheduler's too
+            self.scheduler_config = dataclasses.replace(self.scheduler_config,
+                                                        admission_token_budget=self.loop.kv_cache_tokens)
         self.controller.attach_producers(self.loop.producers, cursors)
         engines = (f"{config.closed_loop.engines.num_engines} rollout engine(s) at policy version {self.first_step}"
                    if self.loop.engines is not None else "no rollout engines")

@@ -32,6 +32,9 @@ What is asserted, and why none of it races:
   strictly between 0 and 1 (they sampled, and they waited: before the producers' first request, and
   at staleness 0 through every training step); the digit agent's mean turns per rollout is strictly
   between 1 and 2 (some rollouts answered right at once, some needed the second turn).
+- admission by tokens from the engines (`admission_token_budget=engines`, at max_staleness 1): the
+  scheduler's budget is the engines' KV caches in tokens, as the engines report them, set before any
+  producer asked (so far above 4 groups that nothing is refused).
 
 Slow: two jobs of 16 steps; measured 177 s and 192 s on the shared 2-core machine at load average 13-16 and 25-32.
 """
@@ -54,7 +57,8 @@ HOLD_TIMEOUT_S = 600  # generous: the hold ends on an event (step HOLD + 1 forme
 SMALL = ["scheduler.batch.global_batch_size=32", "closed_loop.groups_in_flight=4",
          f"run.num_steps={STEPS}", "run.checkpoint_every=0", "run.max_failures=0", "run.plot=false"]
 CONFIGS = {0: ["train.loss.off_policy.max_staleness=0", "train.loss.policy=ppo"],
-           1: ["train.loss.off_policy.max_staleness=1", "train.loss.policy=decoupled_ppo"]}
+           1: ["train.loss.off_policy.max_staleness=1", "train.loss.policy=decoupled_ppo",
+               "scheduler.admission_token_budget=engines"]}  # their KV caches: far more than 4 groups need
 
 
 def run_job(out, max_staleness: int) -> dict:
@@ -122,6 +126,8 @@ def test_few_finished_rollouts_are_dropped_as_stale_and_idle_shares_are_reported
     finished = loop["finished_rollouts"] - warm["finished"]
     stale = loop["stale_dropped_rollouts"] - warm["stale"]
     assert finished > 0 and stale / finished < 0.05, f"{stale} of {finished} finished rollouts dropped as stale"
+    kv_tokens = sum(engine["kv_cache_tokens"] for engine in loop["engines"])
+    assert loop["admission_token_budget"] == kv_tokens > 0 and loop["admission_token_refusals"] == 0
     for s in CONFIGS:
         summary = runs[s]["summary"]
         loop = summary["closed_loop"]

@@ -276,6 +276,11 @@ def test_utilization_counts_requests_and_splits_the_engines_time_into_busy_and_i
     assert after.busy_s > before.busy_s
     assert after.idle_s >= before.idle_s > 0  # the engine waited for this module's first call
     assert 0 < after.idle_share < 1
+    # The KV cache vLLM allocated, in tokens: about kv_cache_gib over the bytes one token's keys and values take
+    # (float32, every layer, every key/value head), never more; what admission_token_budget=engines uses.
+    token_bytes = 2 * MODEL.num_layers * MODEL.num_query_groups * MODEL.head_dim * 4
+    ceiling = engines.config.kv_cache_gib * (1 << 30) / token_bytes
+    assert 0.5 * ceiling <= after.kv_cache_tokens <= ceiling and engines.kv_cache_tokens() == after.kv_cache_tokens
 
 
 def test_a_dead_engine_is_an_error_naming_it_and_its_replacement_serves_the_newest_weights_first(system):

@@ -53,6 +53,26 @@ def test_a_token_budget_that_cannot_work_is_refused_at_start_naming_the_key(pres
         load_job_config(None, ["scheduler.admission_token_budget=16"], preset=preset)
 
 
+def test_a_budget_of_the_engines_admits_freely_until_they_set_it_then_holds_it():
+    core = make_core(gbs=8, max_staleness=1, admission_token_budget="engines", admission_tokens_per_rollout=30)
+    assert core.tokens is None and core.stats().token_budget is None
+    assert core.admit(["a", "b", "c"], engine_version=0).admit  # no budget yet (a job sets it before producers run)
+    core.set_token_budget(60)  # the engines' KV caches, read when they started
+    assert core.admit(["d"], engine_version=0).admit  # nothing in flight in the budget's count: always
+    assert not core.admit(["e", "f"], engine_version=0).admit  # 3 x 30 > 60
+    assert core.stats().token_budget == 60 and core.stats().token_refusals == 1
+    with pytest.raises(ConfigError, match="integer >= 1"):
+        core.set_token_budget(0)
+
+
+def test_a_budget_that_is_neither_tokens_nor_the_engines_is_refused_and_tenants_cannot_share_the_engines_kv():
+    assert load_job_config(None, ["scheduler.admission_token_budget=engines"]).scheduler.admission_token_budget == "engines"
+    with pytest.raises(ConfigError, match=r'admission_token_budget must be an integer >= 1 \(tokens\), "engines"'):
+        load_job_config(None, ["scheduler.admission_token_budget=lots"])
+    with pytest.raises(ConfigError, match="tenants share the engines"):
+        load_job_config(None, ["scheduler.admission_token_budget=engines", "tenants=[{name: a}, {name: b}]"])
+
+
 def test_the_job_fills_the_first_expectation_from_the_engines_longest_request():
     config = load_job_config(None, ["scheduler.admission_token_budget=4096"])
     assert config.scheduler_with_model_limits().admission_tokens_per_rollout == 32

@@ -39,7 +39,7 @@ from vgbs_ray.metrics import reduce_metric_pairs
 from vgbs_ray.sample import Sample
 from vgbs_ray.scheduler_policy import Action, FlushRequest, SchedulerView, admit_new_rollouts, next_action
 from vgbs_ray.scheduler_state import SchedulerState
-from vgbs_ray.scheduler_types import Admission, SchedulerConfig, SchedulerStats, StepRecord
+from vgbs_ray.scheduler_types import ENGINES_BUDGET, Admission, SchedulerConfig, SchedulerStats, StepRecord
 from vgbs_ray.settled_ids import SettledIds
 from vgbs_ray.token_budget import TokenBudget
 from vgbs_ray.staleness import STALE_REASON, oldest_versions, staleness_stats
@@ -103,10 +103,10 @@ class SchedulerCore:
         self._partial_steps = self._padded_steps = 0
         self._accepted = self._rejected = self._deferred = 0
         self._admitted = self._refused_admissions = 0
-        budget = config.admission_token_budget
-        self.tokens = None if budget is None else TokenBudget(
-            budget, config.admission_tokens_per_rollout or config.intake.max_sequence_length or budget)
-        """Admission by tokens (vgbs_ray/token_budget.py), when configured."""
+        self.tokens: TokenBudget | None = None
+        """Admission by tokens (vgbs_ray/token_budget.py), when configured (for "engines": once they set it)."""
+        if config.admission_token_budget not in (None, ENGINES_BUDGET):
+            self.set_token_budget(config.admission_token_budget)
         self._incomplete: list = []
         self._hold_released_at: int | None = None  # the step whose hold for last-chance rollouts was last released
         if restore is not None:
@@ -270,6 +270,19 @@ class SchedulerCore:
         self._deferred += count
         self.events.on_submit(0, (), count)
         return self.admission()[1] or "buffer_full"
+
+    def set_token_budget(self, budget_tokens: int) -> None:
+        """Admit by tokens against `budget_tokens` from now on (admission_token_budget="engines": their KV caches,
+        set by the job before any producer runs). Set once: a later call only changes the budget, not the rollouts
+        in flight or the expectation learned."""
+        if not isinstance(budget_tokens, int) or budget_tokens < 1:
+            raise ConfigError(f"scheduler {self.name!r}: a token budget must be an integer >= 1, got {budget_tokens!r}")
+        if self.tokens is not None:
+            self.tokens.budget_tokens = budget_tokens
+            return
+        config = self.config
+        self.tokens = TokenBudget(budget_tokens, config.admission_tokens_per_rollout
+                                  or config.intake.max_sequence_length or budget_tokens)
 
     def admit(self, rollout_ids: Sequence, engine_version: int, producer: int | None = None) -> Admission:
         """May a producer start these rollouts (a group: all or none) with an engine at `engine_version`?
@@ -490,6 +503,7 @@ class SchedulerCore:
             token_refusals=self.tokens.refusals if self.tokens is not None else 0,
             tokens_in_use=self.tokens.tokens_in_use if self.tokens is not None else None,
             tokens_per_rollout=self.tokens.tokens_per_rollout if self.tokens is not None else None,
+            token_budget=self.tokens.budget_tokens if self.tokens is not None else None,
         )
 
     def describe_wait(self) -> str:

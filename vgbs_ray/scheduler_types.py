@@ -21,6 +21,10 @@ __all__ = [
 ]
 
 
+ENGINES_BUDGET = "engines"
+"""`admission_token_budget` that the engines' KV caches set once they start."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     removed_keys: ClassVar[dict[str, str]] = {
@@ -69,11 +73,13 @@ class SchedulerConfig:
     it (check_admission_config) when producers first `admit` the group: the scheduler does not know
     group sizes before."""
 
-    admission_token_budget: int | None = None
+    admission_token_budget: int | str | None = None
     """Admission by tokens (vgbs_ray/token_budget.py): the tokens the engines hold at once (their KV cache over
     all engines). A group is admitted only while the rollouts in flight, each charged the tokens a rollout is
     expected to hold (corrected by every rollout that completes), fit it; applied with the staleness rule
-    (needs max_staleness). None: no token budget (groups in flight are bounded by the producers' count)."""
+    (needs max_staleness). "engines": the engines' own KV caches, read from them when they start (a job sets
+    it before any producer runs: `SchedulerCore.set_token_budget`). None: no token budget (groups in flight
+    are bounded by the producers' count)."""
     admission_tokens_per_rollout: int | None = None
     """The expectation before any rollout completed (a job fills in closed_loop.engines.max_model_len)."""
 
@@ -98,8 +104,11 @@ class SchedulerConfig:
                               f"got {self.max_staleness!r}")
         for key in ("admission_token_budget", "admission_tokens_per_rollout"):
             value = getattr(self, key)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ConfigError(f"scheduler.{key} must be an integer >= 1 (tokens) or null, got {value!r}")
+            if key == "admission_token_budget" and value == ENGINES_BUDGET:
+                continue
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                extra = ', "engines" (their KV caches)' if key == "admission_token_budget" else ""
+                raise ConfigError(f"scheduler.{key} must be an integer >= 1 (tokens){extra} or null, got {value!r}")
         if self.step_record_window < 1:
             raise ConfigError(f"SchedulerConfig.step_record_window must be >= 1, got {self.step_record_window}")
 
@@ -231,6 +240,8 @@ class SchedulerStats:
     """The token budget in use: rollouts in flight x the expected tokens per rollout (None: no budget)."""
     tokens_per_rollout: float | None = None
     """The budget's current expectation of a rollout's tokens (corrected by the rollouts that completed)."""
+    token_budget: int | None = None
+    """The budget in tokens (admission_token_budget, or the engines' KV caches once set); None: no budget."""
 
     @property
     def steps_in_flight(self) -> int:
