@@ -273,8 +273,8 @@ class SchedulerCore:
 
     def set_token_budget(self, budget_tokens: int) -> None:
         """Admit by tokens against `budget_tokens` from now on (admission_token_budget="engines": their KV caches,
-        set by the job before any producer runs). Set once: a later call only changes the budget, not the rollouts
-        in flight or the expectation learned."""
+        set by the job before any producer runs). A later call changes the budget alone: the rollouts in flight
+        and the expectation learned stay."""
         if not isinstance(budget_tokens, int) or budget_tokens < 1:
             raise ConfigError(f"scheduler {self.name!r}: a token budget must be an integer >= 1, got {budget_tokens!r}")
         if self.tokens is not None:
