@@ -50,6 +50,7 @@ from actors.rollout_engine import RolloutEnginePool
 from actors.shutdown import live_results, start_named, terminate
 from actors.weight_sync import (WeightChannelError, WeightSyncConfig, open_weight_channel, publish_weights,
                                 send_weights)
+from vgbs_ray.failure_policy import FailureBudget
 from vgbs_ray.producer_core import AgentProducerConfig
 from vgbs_ray.scheduler_types import ENGINES_BUDGET
 
@@ -211,7 +212,7 @@ class ClosedLoop:
             record_samples_dir=(os.path.join(os.path.abspath(config.run.output_dir), "samples")
                                 if loop_config.record_samples else None))
 
-    def start(self, config, group, *, on_recovery=None) -> None:
+    def start(self, config, group, *, on_recovery=None, budget: FailureBudget | None = None) -> None:
         """`group`'s current weights to the engines as `policy_version` (waits for the engines and the load),
         then the producers `launch` created run, then the engine watch. `on_recovery("engine")` is called
         after each engine replacement (the job's Ray metric). On an error everything started is shut down."""
@@ -232,7 +233,7 @@ class ClosedLoop:
             if self.engines is not None and self.owns_engines:
                 from jobs.engine_watch import EngineWatch
 
-                self.engine_watch = EngineWatch(self, max_replacements=config.run.max_failures,
+                self.engine_watch = EngineWatch(self, budget=budget or FailureBudget(config.run.max_failures),
                                                 hang_timeout_s=loop_config.engines.call_timeout_s,
                                                 on_replace=on_recovery)
                 self.engine_watch.start()

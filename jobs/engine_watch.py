@@ -1,6 +1,6 @@
 """The engines' watch: a driver thread that finds a dead or hung rollout engine and has it replaced.
 
-    watch = EngineWatch(loop, max_replacements=2, hang_timeout_s=300)
+    watch = EngineWatch(loop, budget=FailureBudget(max_failures=2), hang_timeout_s=300)
     watch.start()
     ...
     watch.failure        # None, or why the engines could not be kept (the step loop raises it)
@@ -11,8 +11,8 @@ Every `poll_s` each engine is asked `health()` (seconds its engine thread has sp
 batch or load). `verdict` decides, pure: a call that failed because the actor is gone is a death;
 no answer for `hang_timeout_s`, or an answer that says one batch has run that long, is a hang. A
 dead or hung engine is replaced by `loop.replace_engine(index)` (a new actor on its bundle,
-loaded with the current policy version before it serves; jobs/closed_loop.py), at most
-`max_replacements` times per engine. Its requests in flight went to the other engines already
+loaded with the current policy version before it serves; jobs/closed_loop.py) while the run's
+`FailureBudget` allows (run.max_failures times per engine over the run). Its requests in flight went to the other engines already
 (actors/rollout_engine.py, `EngineClient`); with none left, producers wait for the replacement.
 
 Past the budget, or when a replacement does not start, `failure` says which engine died and why;
@@ -29,6 +29,7 @@ from typing import Literal
 import ray
 
 from actors.shutdown import actor_died
+from vgbs_ray.failure_policy import FailureAction, FailureBudget
 
 log = logging.getLogger("vgbs.job")
 
@@ -50,10 +51,10 @@ def verdict(*, answered: bool, died: bool, busy_for_s: float, waited_s: float, h
 class EngineWatch(threading.Thread):
     """See module docstring. `loop`: the job's ClosedLoop (its `engines` pool and `replace_engine`)."""
 
-    def __init__(self, loop, *, max_replacements: int, hang_timeout_s: float, poll_s: float = 1.0,
+    def __init__(self, loop, *, budget: FailureBudget, hang_timeout_s: float, poll_s: float = 1.0,
                  on_replace=None):
         super().__init__(name="engine-watch", daemon=True)
-        self._loop, self._max_replacements, self._on_replace = loop, max_replacements, on_replace
+        self._loop, self._budget, self._on_replace = loop, budget, on_replace
         self._hang_timeout_s, self._poll_s = hang_timeout_s, poll_s
         self._stopping = threading.Event()
         self.failure: str | None = None
@@ -67,7 +68,6 @@ class EngineWatch(threading.Thread):
 
     def run(self) -> None:
         pool = self._loop.engines
-        counts = [0] * len(pool.engines)
         calls: list = [None] * len(pool.engines)  # (health ref, engine handle, when sent)
         while not self._stopping.wait(self._poll_s):
             for index, engine in enumerate(pool.engines):
@@ -82,13 +82,11 @@ class EngineWatch(threading.Thread):
                     continue
                 if self._stopping.is_set():
                     return
-                if counts[index] >= self._max_replacements:
-                    self.failure = (f"rollout engine {pool.names[index]} {'died' if state == 'dead' else 'hung'} and "
-                                    f"was replaced {counts[index]} times already (run.max_failures="
-                                    f"{self._max_replacements}); raise run.max_failures to replace it again")
+                decision = self._budget.decide_replacement("engine", index, "died" if state == "dead" else "hung")
+                if decision.action is FailureAction.STOP:
+                    self.failure = f"rollout engine {pool.names[index]}: {decision.reason}"
                     log.error("%s", self.failure)
                     return
-                counts[index] += 1
                 if not self._replace(index, state):
                     return
 

@@ -1,6 +1,6 @@
 """The producers' watch: restarts a producer that died, and closes the input once every producer is done.
 
-    watch = ProducerWatch(scheduler, loop.producers, restart=restart, max_restarts=2)
+    watch = ProducerWatch(scheduler, loop.producers, restart=restart, budget=FailureBudget(max_failures=2))
     watch.start()                 # a driver thread
     ...
     watch.stopping.set()          # the run ends: no restart from here on (stop_producers does it)
@@ -9,8 +9,8 @@
 Policy. A producer whose actor died (its `run` raised `RayActorError`: killed, OOM, node lost)
 is started again by `restart(index)` (the job's: from the cursor of the latest checkpoint, so
 its prompts from there are answered again under the same rollout ids; the scheduler skips or
-rejects what it already holds, so nothing is trained twice), at most `max_restarts` times per
-producer. A producer that *failed* (its `run` raised: a dead engine, an agent module that does
+rejects what it already holds, so nothing is trained twice), while the run's `FailureBudget`
+allows (run.max_failures times per producer over the whole run; no budget: never). A producer that *failed* (its `run` raised: a dead engine, an agent module that does
 not import) is not restarted: it would fail again. Once every producer returned, was stopped
 or is given up, `end_of_input` tells the scheduler no more input comes.
 
@@ -27,6 +27,7 @@ from typing import Callable
 import ray
 
 from actors.shutdown import actor_died, terminate
+from vgbs_ray.failure_policy import FailureAction, FailureBudget
 
 log = logging.getLogger("vgbs.job")
 
@@ -38,11 +39,12 @@ class ProducerWatch(threading.Thread):
     replaces an entry (`restart` does)."""
 
     def __init__(self, scheduler, producers: list, *, restart: Callable[[int], tuple] | None = None,
-                 max_restarts: int = 0, timeout_s: float = 60.0, on_restart: Callable[[], None] | None = None):
+                 budget: FailureBudget | None = None, timeout_s: float = 60.0,
+                 on_restart: Callable[[], None] | None = None):
         super().__init__(name="producer-watch", daemon=True)
         self._scheduler, self._producers, self._timeout_s = scheduler, producers, timeout_s
         self._on_restart = on_restart
-        self._restart, self._max_restarts = restart, max_restarts
+        self._restart, self._budget = restart, budget
         self.stopping = threading.Event()
         self.reports: list = []
         self.failed = 0
@@ -52,7 +54,6 @@ class ProducerWatch(threading.Thread):
 
     def run(self) -> None:
         running = {index: ref for index, (_, ref) in enumerate(self._producers)}
-        restarts = dict.fromkeys(running, 0)
         while running:
             index_of = {ref: index for index, ref in running.items()}
             ready, _ = ray.wait(list(index_of), num_returns=1, timeout=_POLL_S)
@@ -68,12 +69,16 @@ class ProducerWatch(threading.Thread):
                     log.error("producer %d failed: %r", index, error)
                     continue
                 self._free_admitted(index)
-                if self._restart is None or self.stopping.is_set() or restarts[index] >= self._max_restarts:
+                if self._restart is None or self._budget is None or self.stopping.is_set():
                     self.failed += 1
-                    log.error("producer %d died and is not restarted (%d restarts of %d): %r", index,
-                              restarts[index], self._max_restarts, error)
+                    log.error("producer %d died and is not restarted (the run is ending, or no restarts): %r",
+                              index, error)
                     continue
-                restarts[index] += 1
+                decision = self._budget.decide_replacement("producer", index, "died")
+                if decision.action is FailureAction.STOP:
+                    self.failed += 1
+                    log.error("%s: %r", decision.reason, error)
+                    continue
                 started = time.monotonic()
                 try:
                     actor, running[index] = self._restart(index)

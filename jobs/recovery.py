@@ -53,7 +53,7 @@ from actors.train_group import PlacementGroupTimeoutError, TrainGroup, TrainStep
 from jobs.checkpoint import load_job_state, producer_cursors, save_job_state
 from jobs.job_config import JobConfig
 from vgbs_ray.errors import VgbsError
-from vgbs_ray.failure_policy import FailureAction, FailureKind, FailureStatus, make_decision
+from vgbs_ray.failure_policy import FailureAction, FailureBudget, FailureKind
 
 log = logging.getLogger("vgbs.job")
 
@@ -117,8 +117,10 @@ class TrainController:
     """Owns the train group across restarts (see module docstring)."""
 
     def __init__(self, config: JobConfig, scheduler, *, first_step: int, restore_from: str | None,
-                 restore_scheduler=None, on_recovery=None):
+                 restore_scheduler=None, on_recovery=None, budget: FailureBudget | None = None):
         self.config = config
+        self.budget = budget if budget is not None else FailureBudget(config.run.max_failures)
+        """The run's failure budget, shared with the watches (vgbs_ray/failure_policy.py)."""
         self.scheduler = scheduler
         self.restore_scheduler = restore_scheduler
         """`restore_scheduler(checkpoint path or None) -> (scheduler, untrained rollouts it holds)`: the job's (a
@@ -128,7 +130,6 @@ class TrainController:
         """`on_recovery(actor kind)`, called after each recovery (the job's Ray metric)."""
         self.first_step = first_step
         self.group: TrainGroup | None = None
-        self.failures = 0
         self.recoveries: list[Recovery] = []
         self.last_stats = None
         """The scheduler's latest stats seen (at a checkpoint or a probe): what a lost scheduler took with it."""
@@ -277,14 +278,12 @@ class TrainController:
         raise error  # not a failure the policy knows: a bug, raised as it is
 
     def _decide(self, kind: FailureKind, error: BaseException, failed_step: int) -> None:
-        """Count the failure and return if the policy restarts; raise if it stops."""
-        decision = make_decision(FailureStatus(kind=kind, failures_before=self.failures),
-                                 self.config.run.max_failures)
+        """Return if the budget recovers the failure (it counts it); raise if it stops the run."""
+        decision = self.budget.decide_train_failure(kind)
         if decision.action is FailureAction.STOP:
             if kind is FailureKind.SCHEDULER_LOST:
                 raise SchedulerLostError(self._what_was_lost(failed_step, decision.reason)) from error
             raise JobFailedError(f"step {failed_step}: {error}; {decision.reason}") from error
-        self.failures += 1
 
     def _what_was_lost(self, failed_step: int, reason: str) -> str:
         seen = self.last_stats

@@ -49,6 +49,7 @@ from jobs.recovery import RECOVERABLE_ERRORS, JobFailedError, TrainController, j
 from jobs.tracking import Tracker
 from vgbs_ray.checkpoint_files import tokenizer_size
 from vgbs_ray.errors import ConfigError
+from vgbs_ray.failure_policy import FailureBudget
 
 log = logging.getLogger("vgbs.job")
 
@@ -162,8 +163,9 @@ class Job:
     Recovery is in the job: a dead train rank restarts the group (TrainController), a dead
     producer is restarted (ProducerWatch), a dead or hung engine is replaced (EngineWatch), and a
     lost scheduler is restored from the latest checkpoint (`restore_scheduler`, called by the
-    controller). Train-group and scheduler failures share the `run.max_failures` budget; each
-    producer and each engine may be restarted `run.max_failures` times.
+    controller). One `FailureBudget` (vgbs_ray/failure_policy.py) decides for all of them: train-group
+    and scheduler failures share `run.max_failures`; each producer and each engine may be replaced
+    `run.max_failures` times over the whole run.
     """
 
     def __init__(self, config: JobConfig, records_path: str, on_event=None):
@@ -171,6 +173,8 @@ class Job:
         self.config, self.records_path, self.on_event = config, records_path, on_event
         self.scheduler_config = job_scheduler_config(config)
         self.metrics = JobMetrics(config.run.output_dir)
+        self.budget = FailureBudget(config.run.max_failures)
+        """The run's one failure budget: the train controller and the producers' and engines' watches share it."""
         self.scheduler = self.controller = self.loop = self.watch = self.tracker = None
         self.finished_watches: list[ProducerWatch] = []  # producer watches of schedulers that were lost
         self.first_step = 0
@@ -195,13 +199,13 @@ class Job:
         self.loop = ClosedLoop.launch(config, self.scheduler, policy_version=self.first_step, cursors=cursors)
         self.controller = TrainController(config, self.scheduler, first_step=self.first_step, restore_from=resume_from,
                                           restore_scheduler=self.restore_scheduler,
-                                          on_recovery=self.metrics.on_recovery)
+                                          on_recovery=self.metrics.on_recovery, budget=self.budget)
         self.controller.start()
         if resume is not None:
             print(f"resumed from {resume_from} at step {self.first_step} (policy version {resume.policy_version}, "
                   f"{resume.scheduler_state.num_live_rollouts} untrained rollouts restored)", flush=True)
         started = time.monotonic()
-        self.loop.start(config, self.controller.group, on_recovery=self.metrics.on_recovery)
+        self.loop.start(config, self.controller.group, on_recovery=self.metrics.on_recovery, budget=self.budget)
         if self.loop.kv_cache_tokens is not None:  # admission_token_budget=engines: a restored scheduler's too
             self.scheduler_config = dataclasses.replace(self.scheduler_config,
                                                         admission_token_budget=self.loop.kv_cache_tokens)
@@ -214,7 +218,7 @@ class Job:
 
     def _watch_producers(self) -> None:
         """A producer that dies restarts from the latest checkpoint's cursor (jobs/producer_watch.py)."""
-        self.watch = ProducerWatch(self.scheduler, self.loop.producers, max_restarts=self.config.run.max_failures,
+        self.watch = ProducerWatch(self.scheduler, self.loop.producers, budget=self.budget,
                                    restart=lambda index: self.loop.restart_producer(index, self.controller.cursor_of(index)),
                                    on_restart=lambda: self.metrics.on_recovery("producer"))
         self.watch.start()

@@ -6,7 +6,7 @@ import pytest
 
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.failure_policy import (
-    RECOVERABLE, FailureAction, FailureKind, FailureStatus, make_decision,
+    RECOVERABLE, FailureAction, FailureBudget, FailureKind, FailureStatus, make_decision,
 )
 
 
@@ -51,3 +51,31 @@ def test_bad_inputs_are_refused_with_the_field_named():
         FailureStatus(kind="rank_died", failures_before=0)
     with pytest.raises(ConfigError, match="max_failures"):
         make_decision(FailureStatus(kind=FailureKind.RANK_DIED, failures_before=0), -1)
+
+
+def test_one_budget_counts_train_and_scheduler_failures_together_and_each_replaced_actor_alone():
+    budget = FailureBudget(max_failures=2)
+    assert budget.decide_train_failure(FailureKind.RANK_DIED).action is FailureAction.RESTART
+    assert budget.decide_train_failure(FailureKind.SCHEDULER_LOST).action is FailureAction.RESTORE
+    stop = budget.decide_train_failure(FailureKind.TIMEOUT)  # the third of either kind: past the budget
+    assert stop.action is FailureAction.STOP and budget.train_failures == 2
+    assert budget.decide_train_failure(FailureKind.NO_SHARD).action is FailureAction.STOP  # never curable
+    for _ in range(2):
+        assert budget.decide_replacement("engine", 0, "hung").action is FailureAction.RESTART
+    refused = budget.decide_replacement("engine", 0, "died")
+    assert refused.action is FailureAction.STOP and "engine 0 died and was replaced 2 times" in refused.reason
+    assert "run.max_failures=2" in refused.reason
+    # another engine, and a producer with the same index, have budgets of their own
+    assert budget.decide_replacement("engine", 1, "died").action is FailureAction.RESTART
+    assert budget.decide_replacement("producer", 0, "died").action is FailureAction.RESTART
+    assert budget.replacements == {("engine", 0): 2, ("engine", 1): 1, ("producer", 0): 1}
+    with pytest.raises(ConfigError, match="actor must be one of"):
+        budget.decide_replacement("scheduler", 0, "died")
+    with pytest.raises(ConfigError, match="run.max_failures must be an integer >= 0"):
+        FailureBudget(max_failures=-1)
+
+
+def test_a_budget_of_zero_replaces_nothing():
+    budget = FailureBudget(max_failures=0)
+    assert budget.decide_replacement("producer", 3, "died").action is FailureAction.STOP
+    assert budget.decide_train_failure(FailureKind.RANK_DIED).action is FailureAction.STOP

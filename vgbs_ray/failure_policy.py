@@ -18,12 +18,18 @@ Rules, in order:
 
 Invariant: a decision to restart or restore implies `failures_before < max_failures` and a
 recoverable kind (RECOVERABLE, or SCHEDULER_LOST for a restore).
+
+`FailureBudget` is the run's one budget, shared by every owner of a recovery (the train controller, the
+producers' watch, the engines' watch): train-group and scheduler failures count together, each producer
+and each engine counts its own replacements, all against `run.max_failures`, for the whole run (a watch
+started again after a scheduler restore keeps the counts).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 from vgbs_ray.errors import ConfigError
 
@@ -100,3 +106,48 @@ def make_decision(status: FailureStatus, max_failures: int) -> FailureDecision:
                                f"run.max_failures={max_failures}; raise it to recover more often")
     return FailureDecision(FailureAction.RESTART, f"{kind.value}: failure {before + 1} of at most {max_failures}; "
                            "restarting the train group from the latest checkpoint")
+
+
+REPLACEABLE_ACTORS = ("producer", "engine")
+"""Actors replaced one by one, each with its own count: a producer (from the latest checkpoint's cursor) and a
+rollout engine (on its bundle, serving from the newest version)."""
+
+
+@dataclass
+class FailureBudget:
+    """The run's failure budget (see module docstring): `decide_*` answer and count a recovery; thread-safe (the
+    watches decide on their own threads)."""
+
+    max_failures: int
+    train_failures: int = 0
+    """Train-group and scheduler failures recovered so far (they share one count)."""
+    replacements: dict = field(default_factory=dict)
+    """(actor kind, index) -> times that actor was replaced."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self):
+        if not isinstance(self.max_failures, int) or self.max_failures < 0:
+            raise ConfigError(f"run.max_failures must be an integer >= 0, got {self.max_failures!r}")
+
+    def decide_train_failure(self, kind: FailureKind) -> FailureDecision:
+        """After a train-group or scheduler failure: `make_decision` on the shared count, counted when it recovers."""
+        with self._lock:
+            decision = make_decision(FailureStatus(kind=kind, failures_before=self.train_failures), self.max_failures)
+            if decision.action is not FailureAction.STOP:
+                self.train_failures += 1
+            return decision
+
+    def decide_replacement(self, actor: str, index: int, cause: str) -> FailureDecision:
+        """After producer or engine `index` died or hung (`cause`): RESTART (counted) while it was replaced fewer
+        than `max_failures` times, else STOP naming the count and the key."""
+        if actor not in REPLACEABLE_ACTORS:
+            raise ConfigError(f"FailureBudget: actor must be one of {REPLACEABLE_ACTORS}, got {actor!r}")
+        with self._lock:
+            before = self.replacements.get((actor, index), 0)
+            if before >= self.max_failures:
+                return FailureDecision(FailureAction.STOP, f"{actor} {index} {cause} and was replaced {before} times "
+                                       f"already (run.max_failures={self.max_failures}); raise run.max_failures "
+                                       "to replace it again")
+            self.replacements[(actor, index)] = before + 1
+            return FailureDecision(FailureAction.RESTART, f"{actor} {index} {cause}: replacement {before + 1} of at "
+                                   f"most {self.max_failures}")
