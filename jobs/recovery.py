@@ -8,7 +8,7 @@
         result = controller.group.train_step(step, scheduler)
         controller.checkpoint(step + 1)                  # durable; the scheduler may settle those steps
     except RECOVERABLE_ERRORS as error:                  # what a step loop hands over
-        step = controller.recover(error, step)           # or raises JobFailedError / SchedulerLostError
+        step = controller.recover(error, step).restored_step   # or raises JobFailedError / SchedulerLostError
     controller.shutdown()
 
 The rules that belong to recovery live here, each once: which errors a step loop hands to
@@ -109,6 +109,11 @@ class Recovery:
     """Rollouts the scheduler put back in front of its buffer (trained-after-checkpoint and in-flight)."""
     time_to_recover_s: float
     """From the failure surfacing in the driver to the new group restored and the scheduler rewound."""
+
+    @property
+    def restored_scheduler(self) -> bool:
+        """The scheduler was lost and a new one restored (the job restarts its producers on it)."""
+        return self.kind == FailureKind.SCHEDULER_LOST.value
     group_start_s: float
     """Of which: starting the new group (placement group, actors, process group, model) and restoring it."""
 
@@ -179,10 +184,11 @@ class TrainController:
         self._cursors = producer_cursors(self._producers, self._cursors)
         return self._cursors
 
-    def recover(self, error: BaseException, failed_step: int) -> int:
+    def recover(self, error: BaseException, failed_step: int) -> Recovery:
         """Restart the group from the latest checkpoint and rewind the scheduler (or, when the scheduler is
-        gone, restore a new one from that checkpoint first: `restore_scheduler`); returns the step to
-        continue from. Raises JobFailedError when the policy says stop."""
+        gone, restore a new one from that checkpoint first: `restore_scheduler`); returns what happened: the
+        step to continue from (`restored_step`) and whether the scheduler was restored (`restored_scheduler`).
+        Raises JobFailedError when the policy says stop."""
         detected = time.monotonic()
         kind = self._classify(error)
         self._decide(kind, error, failed_step)
@@ -210,7 +216,7 @@ class TrainController:
               f"{self._restore_path or 'the initial weights'}, {recovery.steps_redone} steps redone, "
               f"{replayed} rollouts replayed, {recovery.time_to_recover_s:.1f} s (new group {group_start_s:.1f} s)",
               flush=True)
-        return restored
+        return recovery
 
     def _restart(self, kind: FailureKind, failed_step: int) -> int:
         """A new group from the latest checkpoint, the scheduler rewound to it (or restored from it when lost);

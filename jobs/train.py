@@ -177,6 +177,7 @@ class Job:
         """The run's one failure budget: the train controller and the producers' and engines' watches share it."""
         self.scheduler = self.controller = self.loop = self.watch = self.tracker = None
         self.finished_watches: list[ProducerWatch] = []  # producer watches of schedulers that were lost
+        self._cursors_after_restore: list | None = None  # the checkpoint's cursors a restored scheduler's producers take
         self.first_step = 0
 
     # -- build ------------------------------------------------------------------------------
@@ -314,11 +315,11 @@ class Job:
                     controller.checkpoint(step)
                 return [lines[s] for s in sorted(lines)]
             except RECOVERABLE_ERRORS as error:
-                lost_scheduler = self.scheduler
-                step = controller.recover(error, step)
+                recovery = controller.recover(error, step)
+                step = recovery.restored_step
                 for undone in [s for s in lines if s >= step]:
                     del lines[undone]
-                if controller.scheduler is not lost_scheduler:  # restored: the producers again, on the new one
+                if recovery.restored_scheduler:  # the producers again, on the new one
                     self._restart_producers()
                 self.loop.restore(controller.group, step)  # the engines go back to the restored weights
 
