@@ -18,7 +18,7 @@ import ray
 import torch
 
 from actors.shard_ref import ShardRef
-from actors.train_config import RankInfo, RankStepResult, TrainGroupConfig
+from trainer.config import RankInfo, RankStepResult, TrainGroupConfig
 from vgbs_ray.shard import StepShard
 
 log = logging.getLogger(__name__)
@@ -44,15 +44,15 @@ class TrainActor:
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port on it (asked of rank 0: the rendezvous address)."""
-        from actors.distributed import find_free_port
+        from trainer.distributed import find_free_port
 
         return ray.util.get_node_ip_address(), find_free_port()
 
     def setup(self, master_addr: str, master_port: int) -> RankInfo:
-        from actors.distributed import init_distributed, quiet_megatron_fallback_warnings
+        from trainer.distributed import init_distributed, quiet_megatron_fallback_warnings
 
         quiet_megatron_fallback_warnings()  # before the first Megatron import: its warnings fire at import
-        from actors.trainer import RankTrainer
+        from trainer.rank_trainer import RankTrainer
 
         c = self.config
         self.info = init_distributed(rank=self.rank, world_size=c.world_size, master_addr=master_addr,
@@ -162,7 +162,7 @@ class TrainActor:
         return sent, time.perf_counter() - started
 
     def shutdown(self) -> None:
-        from actors.distributed import destroy_distributed
+        from trainer.distributed import destroy_distributed
 
         if self._weight_channel is not None:
             try:

@@ -37,7 +37,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.train_actor import train_actor_class
-from actors.train_config import RankInfo, RankStepResult, StepResult, TrainGroupConfig
+from trainer.config import RankInfo, RankStepResult, StepResult, TrainGroupConfig
 from vgbs_ray.config import ParallelConfig
 from vgbs_ray.errors import VgbsError
 from vgbs_ray.failure_policy import FailureKind

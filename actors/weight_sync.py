@@ -34,7 +34,7 @@ from typing import Literal
 import numpy as np
 import ray
 
-from actors.train_config import ModelConfig
+from trainer.config import ModelConfig
 from vgbs_ray.errors import ConfigError, VgbsError
 
 

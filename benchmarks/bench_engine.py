@@ -18,9 +18,9 @@ import numpy as np
 import ray
 import torch
 
-from actors.hf_checkpoint import write_hf_checkpoint
+from trainer.hf_checkpoint import write_hf_checkpoint
 from actors.rollout_engine import EngineConfig, RolloutEnginePool
-from actors.train_config import LossConfig, ModelConfig, OptimizerConfig, TrainGroupConfig
+from trainer.config import LossConfig, ModelConfig, OptimizerConfig, TrainGroupConfig
 from actors.train_group import TrainGroup
 from actors.weight_sync import publish_weights
 from vgbs_ray.agents import SamplingConfig

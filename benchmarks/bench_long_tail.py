@@ -157,9 +157,9 @@ def main() -> None:
 
     import torch
 
-    from actors.hf_checkpoint import export_hf_weights, write_hf_checkpoint
-    from actors.model import build_gpt_model
-    from actors.train_config import ModelConfig
+    from trainer.hf_checkpoint import export_hf_weights, write_hf_checkpoint
+    from trainer.model import build_gpt_model
+    from trainer.config import ModelConfig
     from tests.train_support import ensure_single_process_group
 
     torch.manual_seed(0)

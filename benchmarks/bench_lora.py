@@ -92,7 +92,7 @@ def train_state_mb(actor) -> float:
 
 def measure(name: str, fields: dict, model_dir: str, lora) -> dict:
     from actors.rollout_engine import EngineConfig, RolloutEnginePool
-    from actors.train_config import LossConfig, ModelConfig, OptimizerConfig, TrainGroupConfig
+    from trainer.config import LossConfig, ModelConfig, OptimizerConfig, TrainGroupConfig
     from actors.train_group import TrainGroup
     from actors.weight_sync import publish_weights
 
@@ -135,8 +135,8 @@ def main() -> None:
     args = parser.parse_args()
     import ray
 
-    from actors.hf_checkpoint import write_hf_config
-    from actors.train_config import ModelConfig
+    from trainer.hf_checkpoint import write_hf_config
+    from trainer.config import ModelConfig
     from vgbs_ray.lora import LoraConfig
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, object_store_memory=2 << 30, log_to_driver=False)

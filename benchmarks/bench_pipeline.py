@@ -21,7 +21,7 @@ import statistics
 import numpy as np
 import ray
 
-from actors.train_config import ModelConfig, OptimizerConfig, TrainGroupConfig
+from trainer.config import ModelConfig, OptimizerConfig, TrainGroupConfig
 from actors.train_group import TrainGroup
 from vgbs_ray.config import BatchConfig
 from vgbs_ray.lr_schedule import LRScheduleConfig

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import ray
 
-from actors.train_config import ModelConfig, TrainGroupConfig
+from trainer.config import ModelConfig, TrainGroupConfig
 from actors.train_group import TrainGroup
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.flops import TransformerFlopsModel

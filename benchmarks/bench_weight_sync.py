@@ -39,9 +39,9 @@ def measure(name: str, fields: dict) -> list[tuple]:
     import ray
     import torch
 
-    from actors.hf_checkpoint import write_hf_checkpoint
+    from trainer.hf_checkpoint import write_hf_checkpoint
     from actors.rollout_engine import EngineConfig, RolloutEnginePool
-    from actors.train_config import ModelConfig, OptimizerConfig, TrainGroupConfig
+    from trainer.config import ModelConfig, OptimizerConfig, TrainGroupConfig
     from actors.train_group import TrainGroup
     from actors.weight_sync import WeightSyncConfig, open_weight_channel, publish_weights, send_weights
 

@@ -45,7 +45,7 @@ def _shards(step: int, cp_size: int):
 
 
 def _model(dtype: str = "float32"):
-    from actors.train_config import ModelConfig
+    from trainer.config import ModelConfig
 
     return ModelConfig(family="qwen3", hidden_size=128, num_attention_heads=4, num_query_groups=2, kv_channels=64,
                        tie_word_embeddings=True, params_dtype=dtype)
@@ -68,8 +68,8 @@ def _train(rank: int, world: int, port: int, backend: str, cp_size: int, initial
            dtype: str = "float32", lora: bool = False) -> None:
     import torch
 
-    from actors.distributed import init_distributed
-    from actors.trainer import RankTrainer
+    from trainer.distributed import init_distributed
+    from trainer.rank_trainer import RankTrainer
 
     torch.set_num_threads(1)
     info = init_distributed(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port,
@@ -89,7 +89,7 @@ def _train(rank: int, world: int, port: int, backend: str, cp_size: int, initial
 
 def _spawn(world: int, backend: str, cp_size: int, initial: str | None, out: str, dtype: str = "float32",
            lora: bool = False) -> None:
-    from actors.distributed import find_free_port
+    from trainer.distributed import find_free_port
 
     port = find_free_port()
     context = multiprocessing.get_context("spawn")
@@ -122,7 +122,7 @@ def main() -> None:
         return
     import torch
 
-    from actors.model import transformer_engine_available
+    from trainer.model import transformer_engine_available
 
     assert torch.cuda.is_available(), "--mode gpu needs CUDA"
     print(f"GPUs: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}; "

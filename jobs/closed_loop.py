@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, replace
 import ray
 
 from actors.agent_producer import PRODUCER_NAME, PromptSpec, create_agent_producer
-from actors.hf_checkpoint import write_hf_config
+from trainer.hf_checkpoint import write_hf_config
 from actors.rollout_engine import RolloutEnginePool
 from actors.shutdown import live_results, start_named, terminate
 from actors.weight_sync import (WeightChannelError, WeightSyncConfig, open_weight_channel, publish_weights,

@@ -24,7 +24,7 @@ from typing import Literal
 from actors.rollout_engine import EngineConfig
 from actors.weight_sync import WeightSyncConfig
 from vgbs_ray.scheduler_types import ENGINES_BUDGET, SchedulerConfig
-from actors.train_config import AdapterConfig, LossConfig, ModelConfig, OptimizerConfig, TrainGroupConfig
+from trainer.config import AdapterConfig, LossConfig, ModelConfig, OptimizerConfig, TrainGroupConfig
 from jobs.config_loader import apply_overrides, config_from_mapping, describe, load_yaml
 from jobs.tracking import LOGGER_NAMES
 from jobs.tracking_backends import MlflowConfig, TensorBoardConfig, WandbConfig

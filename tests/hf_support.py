@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from actors.train_config import ModelConfig
+from trainer.config import ModelConfig
 
 
 def tiny_hf_llama(path: Path, *, seed: int = 0, vocab_size: int = 96, hidden_size: int = 128, num_layers: int = 2,
@@ -111,7 +111,7 @@ def megatron_logits(model, tokens: list[int]) -> torch.Tensor:
 def response_log_probs(model, generations) -> list[np.ndarray]:
     """The trainer's view of engine generations: one THD packed row of prompt + response for every
     generation through the Megatron `model` (TP=1); the log-prob of each response token."""
-    from actors.model import packed_seq_params
+    from trainer.model import packed_seq_params
 
     sequences = [np.concatenate([g.prompt_token_ids, g.response_token_ids]) for g in generations]
     lengths = [len(s) for s in sequences]
@@ -129,7 +129,7 @@ def response_log_probs(model, generations) -> list[np.ndarray]:
 
 
 def model_config_for(path: Path, **overrides) -> ModelConfig:
-    from actors.hf_checkpoint import model_config_from_hf
+    from trainer.hf_checkpoint import model_config_from_hf
 
     return model_config_from_hf(path, **overrides)
 
@@ -145,9 +145,9 @@ def tp_rank_worker(rank: int, world_size: int, port: int, hf_dir: str, sequences
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        from actors.distributed import init_distributed
-        from actors.hf_checkpoint import export_hf_weights
-        from actors.model import build_gpt_model
+        from trainer.distributed import init_distributed
+        from trainer.hf_checkpoint import export_hf_weights
+        from trainer.model import build_gpt_model
 
         tp_size = world_size // ep_size
         init_distributed(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port,
@@ -180,7 +180,7 @@ def run_tp_ranks(hf_dir, sequences: list, world_size: int = 2, ep_size: int = 1)
     (full-vocabulary logits per sequence, exported HF weights as numpy arrays). A rank's error fails the test."""
     import multiprocessing
 
-    from actors.distributed import find_free_port
+    from trainer.distributed import find_free_port
 
     context = multiprocessing.get_context("spawn")
     results = context.Queue()

@@ -12,9 +12,9 @@ import pytest
 import ray
 import torch
 
-from actors.hf_checkpoint import write_hf_checkpoint
+from trainer.hf_checkpoint import write_hf_checkpoint
 from actors.rollout_engine import EngineConfig, RolloutEnginePool
-from actors.train_config import LossConfig, ModelConfig
+from trainer.config import LossConfig, ModelConfig
 from actors.weight_sync import publish_weights
 from tests.train_support import sgd_config
 from vgbs_ray.agents import SamplingConfig

@@ -33,7 +33,7 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def megatron_tp1(hf_dir):
-    from actors.model import build_gpt_model
+    from trainer.model import build_gpt_model
 
     ensure_single_process_group()
     config = model_config_for(hf_dir[0])
@@ -49,7 +49,7 @@ def test_megatron_logits_equal_transformers_at_tp1(hf_dir, megatron_tp1):
 def test_import_then_export_is_bit_exact_and_loads_in_transformers(hf_dir, megatron_tp1, tmp_path):
     from transformers import LlamaForCausalLM
 
-    from actors.hf_checkpoint import export_hf_weights, read_hf_weights, write_hf_checkpoint
+    from trainer.hf_checkpoint import export_hf_weights, read_hf_weights, write_hf_checkpoint
 
     path, hf_model = hf_dir
     config, model = megatron_tp1
@@ -68,7 +68,7 @@ def test_import_then_export_is_bit_exact_and_loads_in_transformers(hf_dir, megat
 
 
 def test_tp2_logits_equal_transformers_and_export_gathers_bit_exact(hf_dir):
-    from actors.hf_checkpoint import read_hf_weights
+    from trainer.hf_checkpoint import read_hf_weights
 
     path, hf_model = hf_dir
     logits, exported = run_tp_ranks(path, SEQUENCES)
@@ -80,7 +80,7 @@ def test_tp2_logits_equal_transformers_and_export_gathers_bit_exact(hf_dir):
 
 
 def test_packed_thd_log_probs_equal_transformers_one_sequence_at_a_time(hf_dir, megatron_tp1):
-    from actors.model import packed_seq_params
+    from trainer.model import packed_seq_params
     from vgbs_ray.config import BatchConfig, ParallelConfig
     from vgbs_ray.microbatch import pack_micro_batch
     from vgbs_ray.sample import make_rollout
@@ -112,7 +112,7 @@ def test_packed_thd_log_probs_equal_transformers_one_sequence_at_a_time(hf_dir, 
 
 
 def test_model_config_from_hf_refuses_what_the_policy_cannot_hold(hf_dir, tmp_path):
-    from actors.hf_checkpoint import model_config_from_hf
+    from trainer.hf_checkpoint import model_config_from_hf
 
     path, _ = hf_dir
     hf = json.loads((path / "config.json").read_text())
@@ -130,8 +130,8 @@ def test_model_config_from_hf_refuses_what_the_policy_cannot_hold(hf_dir, tmp_pa
 
 
 def test_a_model_config_that_differs_from_the_checkpoint_is_refused(hf_dir):
-    from actors.model import build_gpt_model
-    from actors.train_config import ModelConfig
+    from trainer.model import build_gpt_model
+    from trainer.config import ModelConfig
 
     path, _ = hf_dir
     ensure_single_process_group()
@@ -143,8 +143,8 @@ def test_a_model_config_that_differs_from_the_checkpoint_is_refused(hf_dir):
 def test_train_group_at_tp2_pp2_starts_from_the_checkpoint_and_publishes_it_back(hf_dir, ray_session):
     """Every rank loads its TP shard of its pipeline stage's layers; the weight-sync export of the
     whole group (TP gathered, stages joined, HF names) is the checkpoint bit for bit."""
-    from actors.hf_checkpoint import read_hf_weights
-    from actors.train_config import TrainGroupConfig
+    from trainer.hf_checkpoint import read_hf_weights
+    from trainer.config import TrainGroupConfig
     from actors.train_group import TrainGroup
     from actors.weight_sync import publish_weights
 

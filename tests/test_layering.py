@@ -1,5 +1,6 @@
-"""The floors SPEC keeps: the core imports neither Ray, Megatron nor vLLM; the scheduler's process
-never imports torch (it only lays steps out and moves numpy shards)."""
+"""The floors SPEC keeps: the core imports neither Ray, Megatron nor vLLM; the rank side (trainer/) neither
+Ray nor vLLM; the scheduler's process never imports torch (it only lays steps out and moves numpy shards);
+no import cycle between the project's modules."""
 
 from __future__ import annotations
 
@@ -35,6 +36,22 @@ for info in pkgutil.walk_packages(vgbs_ray.__path__, "vgbs_ray."):
     importlib.import_module(info.name)
 print(",".join(sorted(name for name in ("ray", "megatron", "vllm") if name in sys.modules)))
 """
+
+
+RANK_SIDE = """
+import importlib, pkgutil, sys
+import trainer
+for info in pkgutil.walk_packages(trainer.__path__, "trainer."):
+    importlib.import_module(info.name)
+print(",".join(sorted(name for name in ("ray", "vllm") if name in sys.modules)))
+"""
+
+
+def test_the_rank_side_imports_neither_ray_nor_vllm():
+    """trainer/ is one rank's Megatron code, driven in-process by tests; the Ray shells live in actors/."""
+    out = subprocess.run([sys.executable, "-c", RANK_SIDE], capture_output=True, text=True, timeout=300,
+                         check=True).stdout.strip()
+    assert out == "", f"trainer imports {out}"
 
 
 def test_no_core_module_imports_ray_megatron_or_vllm():
@@ -73,7 +90,7 @@ def test_no_import_cycle_between_the_projects_modules():
 
     root = pathlib.Path(__file__).resolve().parent.parent
     modules = {}
-    for package in ("vgbs_ray", "actors", "jobs"):
+    for package in ("vgbs_ray", "actors", "jobs", "trainer"):
         for path in (root / package).rglob("*.py"):
             parts = path.relative_to(root).with_suffix("").parts
             modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path

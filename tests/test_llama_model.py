@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.train_config import ModelConfig, TrainGroupConfig
+from trainer.config import ModelConfig, TrainGroupConfig
 from tests.train_support import ensure_single_process_group
 from vgbs_ray.errors import ConfigError
 
@@ -37,7 +37,7 @@ def test_tp_size_must_divide_the_key_value_groups():
 
 @pytest.fixture(scope="module")
 def model():
-    from actors.model import build_gpt_model
+    from trainer.model import build_gpt_model
 
     ensure_single_process_group()
     return build_gpt_model(ModelConfig(rope_theta=500.0)).eval()
@@ -46,7 +46,7 @@ def model():
 def test_rope_on_cpu_uses_the_compat_embedding_and_the_llama_frequencies(model):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from actors.megatron_cpu_compat import make_rotary_embedding_cpu_safe
+    from trainer.megatron_cpu_compat import make_rotary_embedding_cpu_safe
 
     rope = model.rotary_pos_emb
     assert isinstance(rope, RotaryEmbedding) and type(rope) is not RotaryEmbedding
@@ -76,7 +76,7 @@ def _queries_seen_by_attention(model, tokens, position_ids, **kwargs) -> torch.T
 def test_packed_sequences_get_positions_that_restart_at_every_sequence(model):
     """Log-probs cannot show this (RoPE is relative and attention stays within a sequence): compare
     the rotated queries of a packed row with each sequence run alone."""
-    from actors.model import packed_seq_params
+    from trainer.model import packed_seq_params
 
     lengths = [5, 9, 3]
     gen = torch.Generator().manual_seed(0)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.train_config import TrainGroupConfig
+from trainer.config import TrainGroupConfig
 from tests.hf_support import megatron_logits, model_config_for, tiny_hf_model
 from tests.train_support import inprocess_trainer, layout_shards, make_samples, run_two_ranks, sgd_config
 from vgbs_ray.errors import ConfigError
@@ -61,7 +61,7 @@ def test_lora_on_the_experts_of_a_mixture_of_experts_is_refused_with_the_reason(
 
 @pytest.mark.parametrize("targets", [LORA.target_modules, ("q_proj", "v_proj", "up_proj")])
 def test_adapters_at_start_give_the_base_models_logits_exactly(targets):
-    from actors.model import build_gpt_model
+    from trainer.model import build_gpt_model
 
     config = sgd_config(lora=dataclasses.replace(LORA, target_modules=targets))
     trainer = inprocess_trainer(config)
@@ -88,8 +88,8 @@ def _lora_step_worker(rank: int, port: int, layout: str, samples, start: dict, r
     after: gathered over the stages)."""
     try:
         torch.set_num_threads(1)
-        from actors.distributed import init_distributed
-        from actors.trainer import RankTrainer
+        from trainer.distributed import init_distributed
+        from trainer.rank_trainer import RankTrainer
 
         tp_size, dp_size, pp_size = {"tp": (2, 1, 1), "dp": (1, 2, 1), "pp": (1, 1, 2)}[layout]
         info = init_distributed(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port, backend="gloo",
@@ -156,7 +156,7 @@ def test_the_adapter_files_load_in_peft_with_the_trainers_logits(tmp_path, shape
     assert torch.allclose(trained, peft_logits, atol=1e-4, rtol=0), float((trained - peft_logits).abs().max())
 
     # merged into a full checkpoint: the same logits without peft
-    from actors.hf_checkpoint import read_hf_weights, write_hf_checkpoint
+    from trainer.hf_checkpoint import read_hf_weights, write_hf_checkpoint
 
     hf = {name: t.numpy() for name, t in read_hf_weights(tmp_path / "base").items()}
     merged = merge_into_hf_weights(hf, adapters, lora)
@@ -170,7 +170,7 @@ def test_the_adapter_files_load_in_peft_with_the_trainers_logits(tmp_path, shape
 
 
 def test_an_adapter_for_another_base_is_refused_naming_both(tmp_path):
-    from actors.lora_layers import adapter_shapes
+    from trainer.lora_layers import adapter_shapes
 
     small = sgd_config().model
     large = dataclasses.replace(small, hidden_size=256)
@@ -214,7 +214,7 @@ def test_training_starts_from_an_adapter_file_made_for_this_base_and_refuses_ano
 # -- multi-LoRA: one adapter per tenant ---------------------------------------------------------
 
 def _tenants_config(**overrides) -> TrainGroupConfig:
-    from actors.train_config import AdapterConfig, OptimizerConfig
+    from trainer.config import AdapterConfig, OptimizerConfig
     from vgbs_ray.lr_schedule import LRScheduleConfig
 
     adam = OptimizerConfig(kind="adamw", lr_schedule=LRScheduleConfig(lr=1e-2))
@@ -252,7 +252,7 @@ def test_a_tenants_step_moves_only_its_adapter_with_its_own_optimizer_and_schedu
 
 
 def test_tenant_adapters_are_refused_beside_train_lora_and_under_one_name():
-    from actors.train_config import AdapterConfig
+    from trainer.config import AdapterConfig
 
     with pytest.raises(ConfigError, match="train.lora and tenants both set"):
         _tenants_config(lora=LORA)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import ray
 
-from actors.hf_checkpoint import write_hf_config
+from trainer.hf_checkpoint import write_hf_config
 from actors.rollout_engine import EngineConfig, EngineError, RolloutEnginePool
-from actors.train_config import ModelConfig
+from trainer.config import ModelConfig
 from actors.weight_sync import hf_tensors_from_full
 from tests.hf_support import response_log_probs
 from tests.test_lora import LORA, random_adapters

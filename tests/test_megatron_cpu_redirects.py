@@ -1,4 +1,4 @@
-"""`actors.megatron_cpu_compat.activate`: Megatron's CUDA literals redirected on CPU, nothing else.
+"""`trainer.megatron_cpu_compat.activate`: Megatron's CUDA literals redirected on CPU, nothing else.
 
 The schedule, DDP and optimizer running on them are covered by test_train_step.py and the
 pipeline tests; here the redirect itself: where it applies, where it must not, and that the
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the redirect 
 
 
 def test_patched_modules_allocate_cuda_literals_on_cpu_and_torch_itself_is_untouched():
-    from actors.megatron_cpu_compat import activate
+    from trainer.megatron_cpu_compat import activate
 
     assert activate() is True
     from megatron.core.distributed import param_and_grad_buffer
@@ -51,7 +51,7 @@ def test_patched_modules_allocate_cuda_literals_on_cpu_and_torch_itself_is_untou
 
 def test_grad_norm_and_clipping_match_plain_torch():
     ensure_single_process_group()
-    from actors.megatron_cpu_compat import activate
+    from trainer.megatron_cpu_compat import activate
 
     activate()
     from megatron.core import parallel_state
@@ -75,7 +75,7 @@ def test_grad_norm_and_clipping_match_plain_torch():
 
 
 def test_inactive_when_cuda_is_present(monkeypatch):
-    from actors import megatron_cpu_compat
+    from trainer import megatron_cpu_compat
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert megatron_cpu_compat.activate() is False

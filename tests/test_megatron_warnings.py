@@ -15,7 +15,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-IMPORT_TRAIN_SIDE = "import actors.trainer, actors.model"
+IMPORT_TRAIN_SIDE = "import trainer.rank_trainer, trainer.model"
 
 
 def not_installed_lines(script: str) -> list[str]:
@@ -30,7 +30,7 @@ def not_installed_lines(script: str) -> list[str]:
 def test_megatron_fallback_warnings_come_out_once_per_process():
     # Without the filter, Megatron repeats it from several modules (the case the filter exists for).
     assert len(not_installed_lines(IMPORT_TRAIN_SIDE)) >= 2
-    quiet = ("from actors.distributed import quiet_megatron_fallback_warnings as q\n"
+    quiet = ("from trainer.distributed import quiet_megatron_fallback_warnings as q\n"
              f"q(); q()\n{IMPORT_TRAIN_SIDE}\n"
              "import warnings; warnings.warn('Apex is not installed (a later import after the filter)')")
     lines = not_installed_lines(quiet)
@@ -38,7 +38,7 @@ def test_megatron_fallback_warnings_come_out_once_per_process():
 
 
 def test_other_warnings_are_not_filtered():
-    script = ("from actors.distributed import quiet_megatron_fallback_warnings as q; q()\n"
+    script = ("from trainer.distributed import quiet_megatron_fallback_warnings as q; q()\n"
               "import warnings; warnings.warn('Transformer Engine is slow today')")
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert "Transformer Engine is slow today" in result.stderr

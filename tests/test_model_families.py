@@ -32,7 +32,7 @@ DIGIT_TOKENIZER = pathlib.Path(__file__).resolve().parents[1] / "examples" / "di
 @pytest.fixture(scope="module", params=SHAPES)
 def checkpoint(request, tmp_path_factory):
     """(shape, directory, transformers model, ModelConfig, Megatron model at TP=1)."""
-    from actors.model import build_gpt_model
+    from trainer.model import build_gpt_model
 
     path = tmp_path_factory.mktemp(request.param)
     hf_model = tiny_hf_model(path, request.param, vocab_size=VOCAB)
@@ -57,7 +57,7 @@ def test_megatron_logits_equal_transformers_at_tp1(checkpoint):
 def test_import_then_export_is_bit_exact_with_the_checkpoints_names_and_loads_in_transformers(checkpoint, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from actors.hf_checkpoint import export_hf_weights, read_hf_weights, write_hf_checkpoint
+    from trainer.hf_checkpoint import export_hf_weights, read_hf_weights, write_hf_checkpoint
 
     _, path, hf_model, config, model = checkpoint
     original = read_hf_weights(path)
@@ -79,8 +79,8 @@ def test_import_then_export_is_bit_exact_with_the_checkpoints_names_and_loads_in
 
 def test_llama3_rope_scaling_is_applied_not_ignored(checkpoint):
     """The same weights with plain RoPE give other logits: the match above depends on the scaling."""
-    from actors.hf_checkpoint import load_hf_weights, read_hf_weights
-    from actors.model import build_gpt_model
+    from trainer.hf_checkpoint import load_hf_weights, read_hf_weights
+    from trainer.model import build_gpt_model
 
     shape, path, hf_model, config, _ = checkpoint
     if config.rope_scaling is None:
@@ -97,7 +97,7 @@ def test_llama3_rope_scaling_is_applied_not_ignored(checkpoint):
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 def test_tp2_logits_equal_transformers_and_export_gathers_bit_exact(shape, tmp_path):
-    from actors.hf_checkpoint import read_hf_weights
+    from trainer.hf_checkpoint import read_hf_weights
 
     hf_model = tiny_hf_model(tmp_path, shape, vocab_size=VOCAB)
     logits, exported = run_tp_ranks(tmp_path, SEQUENCES)
@@ -111,7 +111,7 @@ def test_tp2_logits_equal_transformers_and_export_gathers_bit_exact(shape, tmp_p
 @pytest.mark.parametrize("shape", [s for s in SHAPES if "moe" in s])
 def test_ep2_logits_equal_transformers_and_export_gathers_every_expert_bit_exact(shape, tmp_path):
     """Expert parallelism over gloo: each of two ranks holds half the experts, and their token counts differ."""
-    from actors.hf_checkpoint import read_hf_weights
+    from trainer.hf_checkpoint import read_hf_weights
 
     hf_model = tiny_hf_model(tmp_path, shape, vocab_size=VOCAB)
     logits, exported = run_tp_ranks(tmp_path, SEQUENCES, world_size=2, ep_size=2)
@@ -127,8 +127,8 @@ def test_the_export_serves_in_vllm_and_its_log_probs_equal_the_trainers_before_a
                                                                                                ray_session, tmp_path):
     """vLLM builds the family from the exported directory; a sync of other weights (HF names, as the
     train group publishes them) changes its outputs to exactly what the trainer computes."""
-    from actors.hf_checkpoint import export_hf_weights, load_hf_weights, write_hf_checkpoint
-    from actors.model import build_gpt_model
+    from trainer.hf_checkpoint import export_hf_weights, load_hf_weights, write_hf_checkpoint
+    from trainer.model import build_gpt_model
     from actors.rollout_engine import EngineConfig, RolloutEnginePool
     from actors.weight_sync import PublishedWeights
     from vgbs_ray.agents import SamplingConfig
@@ -209,8 +209,8 @@ def test_what_the_policy_cannot_hold_is_refused_naming_the_key(changes, match):
                        norm_topk_prob=True)),
 ])
 def test_a_written_config_json_reads_back_as_the_same_model(family, extra):
-    from actors.hf_checkpoint import hf_config_dict
-    from actors.train_config import ModelConfig
+    from trainer.hf_checkpoint import hf_config_dict
+    from trainer.config import ModelConfig
     from vgbs_ray.model_families import model_fields_from_hf_config
 
     config = ModelConfig(**model_fields_from_hf_config(_config_json(model_type=family, **extra), "x"))
@@ -219,7 +219,7 @@ def test_a_written_config_json_reads_back_as_the_same_model(family, extra):
 
 
 def test_what_the_cpu_train_path_does_not_run_yet_is_refused_at_configuration():
-    from actors.train_config import ModelConfig, TrainGroupConfig
+    from trainer.config import ModelConfig, TrainGroupConfig
 
     with pytest.raises(ConfigError, match="tie_word_embeddings=True needs pp_size=1"):
         TrainGroupConfig(pp_size=2, model=ModelConfig(tie_word_embeddings=True))

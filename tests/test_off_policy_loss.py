@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.train_config import LossConfig
+from trainer.config import LossConfig
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.losses.api import LossInputs
 from vgbs_ray.losses.builtin import decoupled_ppo

@@ -15,7 +15,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from actors.train_config import LossConfig
+from trainer.config import LossConfig
 from tests.train_support import (assert_same_update, inprocess_trainer, loss_cases_worker, make_samples,
                                  layout_shards, run_two_ranks, sgd_config, update_between)
 from vgbs_ray.losses import CorrectionConfig

@@ -42,14 +42,14 @@ def test_every_link_in_the_readme_and_the_docs_names_a_file_the_repository_has()
             assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links {target}"
 
 
-REPOSITORY_PATH = re.compile(r"\b((?:actors|jobs|vgbs_ray|tests|benchmarks|examples|docs)/[A-Za-z0-9_./-]+"
+REPOSITORY_PATH = re.compile(r"\b((?:actors|jobs|trainer|vgbs_ray|tests|benchmarks|examples|docs)/[A-Za-z0-9_./-]+"
                              r"\.(?:py|md|yaml|json|sh))")
 
 
 def test_every_repository_path_the_docs_and_docstrings_name_exists():
     """A path like `actors/weight_sync.py` in a page, a module or a test names a file the repository has."""
     sources = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
-               *(path for folder in ("actors", "jobs", "vgbs_ray", "tests", "benchmarks", "examples")
+               *(path for folder in ("actors", "jobs", "trainer", "vgbs_ray", "tests", "benchmarks", "examples")
                  for path in (ROOT / folder).rglob("*.py"))]
     missing = {(str(source.relative_to(ROOT)), path) for source in sources
                for path in REPOSITORY_PATH.findall(source.read_text()) if not (ROOT / path).exists()}

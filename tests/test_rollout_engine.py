@@ -17,9 +17,9 @@ import pytest
 import ray
 import torch
 
-from actors.hf_checkpoint import write_hf_config
+from trainer.hf_checkpoint import write_hf_config
 from actors.rollout_engine import EngineConfig, EngineDiedError, RolloutEnginePool
-from actors.train_config import ModelConfig
+from trainer.config import ModelConfig
 from actors.weight_sync import publish_weights
 from tests.hf_support import response_log_probs
 from tests.train_support import ensure_single_process_group, make_samples, sgd_config
@@ -66,8 +66,8 @@ def _train_one_step(group):
 
 def _megatron_log_probs(hf_weights: dict, generations) -> list[np.ndarray]:
     """The trainer's view: a Megatron model with the published weights scores every generation."""
-    from actors.hf_checkpoint import load_hf_weights
-    from actors.model import build_gpt_model
+    from trainer.hf_checkpoint import load_hf_weights
+    from trainer.model import build_gpt_model
 
     ensure_single_process_group()
     model = build_gpt_model(MODEL).eval()

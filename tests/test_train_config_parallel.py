@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.train_config import ModelConfig, TrainGroupConfig
+from trainer.config import ModelConfig, TrainGroupConfig
 from vgbs_ray.config import ParallelConfig
 from vgbs_ray.errors import ConfigError
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import ray
 
-from actors.train_config import TrainGroupConfig
+from trainer.config import TrainGroupConfig
 from actors.train_group import PlacementGroupTimeoutError, TrainGroup, TrainStepError
 from tests.train_support import (assert_same_update, inprocess_trainer, layout_shards, make_samples, sgd_config,
                                  update_between)
@@ -109,7 +109,7 @@ def test_tp2_matches_tp1(ray_session):
 def test_ep2_matches_one_rank_holding_every_expert(ray_session, tmp_path):
     """Expert parallelism: two DP ranks, each with half the experts and its own micro-batches, make the update one
     rank with every expert makes of the whole step; the experts are gathered for export and checkpointed per EP rank."""
-    from actors.train_config import ModelConfig
+    from trainer.config import ModelConfig
 
     moe = ModelConfig(family="qwen3_moe", kv_channels=16, num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2)
     samples = make_samples(23, 8)

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import ray
 
-from actors.train_config import ModelConfig
+from trainer.config import ModelConfig
 from actors.train_group import TrainGroup
 from tests.train_support import (assert_same_update, inprocess_trainer, layout_shards, make_samples, sgd_config,
                                  update_between)

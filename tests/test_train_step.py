@@ -155,7 +155,7 @@ def test_padding_micro_batches_run_as_zero_contributions():
 # -- off-policy correction in the step (config.loss.off_policy) -----------------------------------
 
 def _off_policy_config(policy_loss: str, is_weight_cap: float = 2.0):
-    from actors.train_config import LossConfig
+    from trainer.config import LossConfig
 
     kwargs = {"is_weight_cap": is_weight_cap} if policy_loss == "decoupled_ppo" else {}
     return sgd_config(loss=LossConfig(policy=policy_loss, policy_kwargs=kwargs))
@@ -238,7 +238,7 @@ def _naive_decoupled_update(model_config, shard, *, cap: float, lr: float) -> di
     arrays: at step start pi == pi_prox, so the ratio is 1 (unclipped) and the gradient of each
     token's term is -w_t * A * grad log pi_t, w_t = min(pi_prox / pi_behave, cap); per rollout
     divided by its mask total (summed here over the rollout's samples), the step by its rollouts."""
-    from actors.model import build_gpt_model
+    from trainer.model import build_gpt_model
 
     model = build_gpt_model(model_config)
     tokens_at, responses_at = shard.token_offsets(), shard.response_offsets()
@@ -328,8 +328,8 @@ def nan_beyond_the_probe():
 
 
 def test_a_non_finite_loss_refuses_the_update_naming_the_step_and_the_loss():
-    from actors.megatron_step import NonFiniteLossError
-    from actors.train_config import LossConfig
+    from trainer.megatron_step import NonFiniteLossError
+    from trainer.config import LossConfig
 
     trainer = inprocess_trainer(sgd_config(loss=LossConfig(policy="tests.test_train_step:nan_beyond_the_probe")))
     shard = _laid_out_shard(45)
@@ -349,7 +349,7 @@ def test_a_non_finite_loss_refuses_the_update_naming_the_step_and_the_loss():
 def test_clipping_scales_the_update_by_max_norm_over_the_global_norm():
     """Megatron's clip, run in parts around the non-finite check: the clipped update is the unclipped one times
     max_norm / (norm + 1e-6), and the step reports the norm before clipping."""
-    from actors.train_config import OptimizerConfig
+    from trainer.config import OptimizerConfig
 
     shard = _laid_out_shard(46)
     free, free_result = _train(sgd_config(), shard)

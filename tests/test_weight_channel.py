@@ -78,9 +78,9 @@ def test_a_channel_delivers_every_version_to_every_receiver_then_says_it_closed(
 def test_an_engine_synced_over_the_channel_samples_what_the_object_store_sync_gives(ray_session, tmp_path):
     import ray
 
-    from actors.hf_checkpoint import write_hf_checkpoint
+    from trainer.hf_checkpoint import write_hf_checkpoint
     from actors.rollout_engine import EngineConfig, RolloutEnginePool
-    from actors.train_config import ModelConfig
+    from trainer.config import ModelConfig
     from actors.train_group import TrainGroup
     from actors.weight_sync import (WeightSyncConfig, hf_tensors_from_full, open_weight_channel, publish_weights,
                                     send_weights)

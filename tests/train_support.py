@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from actors.train_config import ModelConfig, OptimizerConfig, TrainGroupConfig
+from trainer.config import ModelConfig, OptimizerConfig, TrainGroupConfig
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.lr_schedule import LRScheduleConfig
 from vgbs_ray.sample import Sample, make_rollout
@@ -72,7 +72,7 @@ def ensure_single_process_group() -> None:
     if _DIST_READY:
         return
     torch.set_num_threads(1)
-    from actors.distributed import find_free_port, init_distributed
+    from trainer.distributed import find_free_port, init_distributed
 
     init_distributed(rank=0, world_size=1, master_addr="127.0.0.1", master_port=find_free_port(),
                      backend="gloo", timeout_s=60, tp_size=1, pp_size=1, cp_size=1)
@@ -82,8 +82,8 @@ def ensure_single_process_group() -> None:
 def inprocess_trainer(config: TrainGroupConfig):
     """A fresh RankTrainer (dp=1, tp=1) in this process, initialised from config.model.seed."""
     ensure_single_process_group()
-    from actors.train_config import RankInfo
-    from actors.trainer import RankTrainer
+    from trainer.config import RankInfo
+    from trainer.rank_trainer import RankTrainer
 
     return RankTrainer(config, RankInfo(rank=0, dp_rank=0, tp_rank=0, pp_rank=0, cp_rank=0))
 
@@ -119,7 +119,7 @@ def reference_update(model_config: ModelConfig, model_state: dict | None, sample
     Old log-probs: the samples' rollout log-probs.
     """
     ensure_single_process_group()
-    from actors.model import build_gpt_model
+    from trainer.model import build_gpt_model
 
     model = build_gpt_model(model_config)
     if model_state is not None:  # whole-model parameters by name (`full_parameters`)
@@ -157,7 +157,7 @@ def run_two_ranks(worker, *args, timeout_s: float = 300) -> list[tuple]:
     error fails the caller's test, naming the rank."""
     import multiprocessing
 
-    from actors.distributed import find_free_port
+    from trainer.distributed import find_free_port
 
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
@@ -192,8 +192,8 @@ def record_collectives_worker(rank: int, port: int, shards_by_phase: dict, pp_si
         torch.set_num_threads(1)
         import torch.distributed as dist
 
-        from actors.distributed import init_distributed
-        from actors.trainer import RankTrainer
+        from trainer.distributed import init_distributed
+        from trainer.rank_trainer import RankTrainer
 
         info = init_distributed(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
                                 backend="gloo", timeout_s=60, tp_size=1, pp_size=pp_size, cp_size=1)
@@ -243,8 +243,8 @@ def loss_cases_worker(rank: int, port: int, pp_size: int, cases: list, initial: 
     rank from `initial` trains its shard once. Reports per case the update (rank 0) and this rank's metric pairs."""
     try:
         torch.set_num_threads(1)
-        from actors.distributed import init_distributed
-        from actors.trainer import RankTrainer
+        from trainer.distributed import init_distributed
+        from trainer.rank_trainer import RankTrainer
 
         info = init_distributed(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
                                 backend="gloo", timeout_s=60, tp_size=1, pp_size=pp_size, cp_size=1)

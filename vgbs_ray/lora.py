@@ -6,7 +6,7 @@ as the base, exactly) and `scaling = alpha / rank`. Only A and B train; the base
 
 Targets are named as in Hugging Face and PEFT: `q_proj`, `k_proj`, `v_proj`, `o_proj` (attention) and
 `gate_proj`, `up_proj`, `down_proj` (the dense MLP). Megatron fuses q/k/v into `linear_qkv` and gate/up into
-`linear_fc1`, so one Megatron layer carries the adapters of several targets (actors/lora_layers.py); each
+`linear_fc1`, so one Megatron layer carries the adapters of several targets (trainer/lora_layers.py); each
 adapter keeps the Hugging Face layout of its own A and B, so a name maps one-to-one:
 
     decoder.layers.3.self_attention.linear_qkv.lora.q_proj_A
@@ -111,7 +111,7 @@ class LoraConfig:
 
 
 def is_adapter_name(name: str) -> bool:
-    """A Megatron parameter name of an adapter (actors/lora_layers.py names them `...lora.<adapter>.<target>_A|B`)."""
+    """A Megatron parameter name of an adapter (trainer/lora_layers.py names them `...lora.<adapter>.<target>_A|B`)."""
     return ".lora." in name
 
 

@@ -37,9 +37,9 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer import clip_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from actors.global_names import is_expert_parameter, named_parameters_global, with_other_experts
-from actors.model import build_gpt_model, packed_seq_params
-from actors.train_config import TrainGroupConfig
+from trainer.global_names import is_expert_parameter, named_parameters_global, with_other_experts
+from trainer.model import build_gpt_model, packed_seq_params
+from trainer.config import TrainGroupConfig
 from vgbs_ray.errors import VgbsError
 from vgbs_ray.hf_mapping import gather_tp_shards, split_tp_shard
 from vgbs_ray.lora import (AdapterMismatchError, LoraConfig, adapter_of, base_model_name, is_adapter_name,
@@ -70,7 +70,7 @@ class MegatronStep:
 
     def __init__(self, config: TrainGroupConfig):
         if not config.on_gpu:
-            from actors.megatron_cpu_compat import activate
+            from trainer.megatron_cpu_compat import activate
 
             activate()
         self.config = config
@@ -91,7 +91,7 @@ class MegatronStep:
                 local_spec=bool(config.adapters),
             ))
             if config.adapters:  # before DDP, which allocates gradient buffers for what trains
-                from actors.lora_layers import attach_lora
+                from trainer.lora_layers import attach_lora
 
                 self.active_adapters.append(attach_lora(
                     modules[-1], {name: adapter.lora for name, adapter in config.adapters.items()}, config.model))
@@ -205,7 +205,7 @@ class MegatronStep:
         for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             parameters = [] if getattr(part, "is_stub_optimizer", False) else part.get_parameters()
             if parameters and part.config.clip_grad > 0.0:
-                # looked up at call time: on CPU, actors/megatron_cpu_compat.py swaps in a version without the CUDA assert
+                # looked up at call time: on CPU, trainer/megatron_cpu_compat.py swaps in a version without the CUDA assert
                 clip_grads.clip_grad_by_total_norm_fp32(
                     parameters, max_norm=part.config.clip_grad, total_norm=norm,
                     use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
@@ -269,7 +269,7 @@ class MegatronStep:
 def initial_adapter(lora: LoraConfig, model, adapter: str) -> dict:
     """The adapter `lora.adapter_dir` holds (Megatron names of adapter `adapter` -> arrays), refused unless it was
     made for this base with this rank, alpha and targets (naming both sides)."""
-    from actors.lora_layers import adapter_shapes
+    from trainer.lora_layers import adapter_shapes
 
     theirs, tensors = load_peft_adapter(lora.adapter_dir, expected_shapes=adapter_shapes(lora, model, adapter),
                                         base_model_name_or_path=base_model_name(model), adapter=adapter)

@@ -19,7 +19,7 @@ A step (`RankTrainer.train_shard`), the same on CPU (gloo) and GPU (NCCL):
    Only `ppo` on a shard without behaviour log-probs runs Megatron's schedule with
    `forward_only=True` before the update (the last stage keeps the result) and clips against
    it; `decoupled_ppo` refuses such a shard before any collective, naming step, rank and positions.
-3. Megatron's schedule (`actors/megatron_step.py`): the first stage embeds each packed THD row,
+3. Megatron's schedule (`trainer/megatron_step.py`): the first stage embeds each packed THD row,
    the last computes the per-rollout loss (divided by the step's `num_rollouts`, times
    M * dp_size to undo Megatron's averaging; importance weights touch numerators only) and
    the metric pairs (`OFF_POLICY_METRIC_NAMES`: loss, reward, clip_fraction, ratio, approx_kl,
@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from actors.megatron_step import MegatronStep, padding_micro_batch
-from actors.train_config import RankInfo, RankStepResult, TrainGroupConfig
+from trainer.megatron_step import MegatronStep, padding_micro_batch
+from trainer.config import RankInfo, RankStepResult, TrainGroupConfig
 from vgbs_ray.context_parallel import split_for_context_parallel
 from vgbs_ray.errors import VgbsError
 from vgbs_ray.lora import is_adapter_name

@@ -34,10 +34,10 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from actors.hf_checkpoint import load_hf_weights, model_config_from_hf, read_hf_weights
-from actors.megatron_cpu_compat import activate as activate_cpu_compat
-from actors.megatron_cpu_compat import make_rotary_embedding_cpu_safe
-from actors.train_config import ModelConfig
+from trainer.hf_checkpoint import load_hf_weights, model_config_from_hf, read_hf_weights
+from trainer.megatron_cpu_compat import activate as activate_cpu_compat
+from trainer.megatron_cpu_compat import make_rotary_embedding_cpu_safe
+from trainer.config import ModelConfig
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.model_families import get_family
 from vgbs_ray.model_families.rope import rope_inv_freq
@@ -138,7 +138,7 @@ def _moe_settings(config: ModelConfig, ep_size: int = 1) -> dict:
     SequentialMLP experts. The allgather dispatcher needs the same token count on every rank it gathers
     from, true of TP peers (one micro-batch) but not of EP peers (each DP rank packs its own rows): with
     expert parallelism the alltoall dispatcher, which exchanges split sizes first (on CPU through
-    actors/megatron_cpu_compat.py). No load-balancing loss: the policy loss is the only objective here
+    trainer/megatron_cpu_compat.py). No load-balancing loss: the policy loss is the only objective here
     (HF adds one only when asked to output router logits).
     """
     if config.num_experts is None:
@@ -172,7 +172,7 @@ def build_gpt_model(config: ModelConfig, *, tp_size: int = 1, pp_size: int = 1, 
                     microbatch_group_size_per_vp_stage: int | None = None, local_spec: bool = False) -> GPTModel:
     """Build the GPTModel (with pp_size > 1: this stage's chunk `vp_stage`); deterministic for a given `config.seed`.
     `local_spec`: Megatron's local layers even where Transformer Engine is installed (LoRA: TE fuses the norm
-    into `linear_qkv` and `linear_fc1`, whose inputs the adapters must see normalised; actors/lora_layers.py)."""
+    into `linear_qkv` and `linear_fc1`, whose inputs the adapters must see normalised; trainer/lora_layers.py)."""
     torch.manual_seed(config.seed)
     qk_norm = get_family(config.family).qk_norm
     if on_gpu and transformer_engine_available() and not local_spec:
@@ -230,7 +230,7 @@ def _load_initial_weights(model: GPTModel, config: ModelConfig) -> None:
               for f in fields(config) if getattr(config, f.name) != getattr(expected, f.name)]
     if differ:
         raise ConfigError(f"ModelConfig does not match {path}/config.json: {', '.join(differ)}; build the "
-                          "config with actors.hf_checkpoint.model_config_from_hf")
+                          "config with trainer.hf_checkpoint.model_config_from_hf")
     load_hf_weights(model, read_hf_weights(path), config)
 
 

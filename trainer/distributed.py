@@ -23,7 +23,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from actors.train_config import RankInfo
+from trainer.config import RankInfo
 
 log = logging.getLogger(__name__)
 

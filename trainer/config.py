@@ -71,7 +71,7 @@ class ModelConfig:
     hf_checkpoint_dir: str | None = None
     """Start from the weights of this Hugging Face checkpoint directory (config.json + safetensors)
     instead of a random init; its config.json must match the fields above
-    (`actors.hf_checkpoint.model_config_from_hf` builds a matching config)."""
+    (`trainer.hf_checkpoint.model_config_from_hf` builds a matching config)."""
 
     def __post_init__(self):
         family = get_family(self.family)  # a ConfigError naming the supported families

@@ -20,8 +20,8 @@ from typing import Mapping
 
 import torch
 
-from actors.global_names import is_expert_parameter, named_parameters_global, with_other_experts
-from actors.train_config import ModelConfig
+from trainer.global_names import is_expert_parameter, named_parameters_global, with_other_experts
+from trainer.config import ModelConfig
 from vgbs_ray.checkpoint_files import copy_tokenizer
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.model_families import FAMILIES, get_family, model_fields_from_hf_config
