@@ -12,8 +12,9 @@ batch or load). `verdict` decides, pure: a call that failed because the actor is
 no answer for `hang_timeout_s`, or an answer that says one batch has run that long, is a hang. A
 dead or hung engine is replaced by `loop.replace_engine(index)` (a new actor on its bundle,
 loaded with the current policy version before it serves; jobs/closed_loop.py) while the run's
-`FailureBudget` allows (run.max_failures times per engine over the run). Its requests in flight went to the other engines already
-(actors/rollout_engine.py, `EngineClient`); with none left, producers wait for the replacement.
+`FailureBudget` allows (run.max_failures times per engine over the run). Its requests in flight
+went to the other engines already (actors/rollout_engine.py, `EngineClient`); with none left,
+producers wait for the replacement.
 
 Past the budget, or when a replacement does not start, `failure` says which engine died and why;
 the job stops with it instead of ending early on what was buffered.
