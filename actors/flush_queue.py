@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from vgbs_ray.errors import SchedulerStateError, SchedulerTimeoutError
-from vgbs_ray.scheduler_policy import FlushRequest
-from vgbs_ray.scheduler_types import FlushResult
+from vgbs_ray.scheduler.policy import FlushRequest
+from vgbs_ray.scheduler.types import FlushResult
 
 
 @dataclass

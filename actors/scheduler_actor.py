@@ -8,7 +8,7 @@
     shard = refs[rank].fetch(); ...                                    # each rank pulls its own shard
     ray.get(scheduler.ack_ranks.remote(step, {rank: metric_pairs, ...}))   # one ack for every rank
 
-An asyncio Ray actor (named, `num_cpus=0`) and a thin shell around `vgbs_ray.scheduler_core.
+An asyncio Ray actor (named, `num_cpus=0`) and a thin shell around `vgbs_ray.scheduler.core.
 SchedulerCore`, which owns the state and every decision (intake, ledger, steps, records, the
 staleness window). What stays here is Ray's: the calls and their waits (a thousand ranks parked
 in `get_shard` cost no threads), the emitter coroutine that lays steps out and puts them in the
@@ -37,9 +37,9 @@ from actors.step_emitter import StepEmitter
 from vgbs_ray.config import ParallelConfig
 from vgbs_ray.errors import ConfigError, SchedulerStateError
 from vgbs_ray.sample import Sample
-from vgbs_ray.scheduler_core import SchedulerCore
-from vgbs_ray.scheduler_state import SchedulerState
-from vgbs_ray.scheduler_types import Admission, FlushResult, SchedulerConfig, SchedulerStats, StepRecord, SubmitResult
+from vgbs_ray.scheduler.core import SchedulerCore
+from vgbs_ray.scheduler.state import SchedulerState
+from vgbs_ray.scheduler.types import Admission, FlushResult, SchedulerConfig, SchedulerStats, StepRecord, SubmitResult
 
 __all__ = ["DEFAULT_NAME", "SchedulerActor", "create_scheduler"]
 

@@ -95,7 +95,7 @@ class SchedulerMetrics:
             self._increments[self.stale_dropped, None] += count
 
     def publish_state(self, core) -> None:
-        """Set the gauges of `core`'s state (a vgbs_ray.scheduler_core.SchedulerCore), then `publish()`."""
+        """Set the gauges of `core`'s state (a vgbs_ray.scheduler.core.SchedulerCore), then `publish()`."""
         self._gauge_values.update({
             self.buffered_rollouts: core.intake.num_buffered_rollouts, self.buffered_samples: core.intake.buffered_samples,
             self.steps_in_flight: core.next_step - core.steps_trained, self.policy_version: core.next_step,

@@ -1,6 +1,6 @@
 """The SchedulerActor's background half: one coroutine that turns the core's decisions into steps.
 
-`StepEmitter.run` loops on the actor's event loop: it asks the core (vgbs_ray.scheduler_core) for
+`StepEmitter.run` loops on the actor's event loop: it asks the core (vgbs_ray.scheduler.core) for
 its `next_action` and carries it out: drop stale rollouts, emit a full step, run a requested
 flush or the max-wait flush, or wait for a change (`changed`). Laying a step out and `ray.put` of
 its shards run on one worker thread (`run_in_executor`), so pushes and pulls go on meanwhile;
@@ -25,11 +25,11 @@ from actors.flush_queue import FlushQueue, PendingFlush
 from actors.shard_placement import put_shards
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.errors import SchedulerStateError, SchedulerTimeoutError
-from vgbs_ray.intake import ReadyRollout
-from vgbs_ray.scheduler_core import SchedulerCore, StepSlot
-from vgbs_ray.scheduler_policy import DropStale, EmitFullStep, FlushRequest, MaxWaitFlush, RunFlush, WaitFor
-from vgbs_ray.scheduler_types import FlushResult
-from vgbs_ray.stepping import PlannedStep, plan_step
+from vgbs_ray.scheduler.intake import ReadyRollout
+from vgbs_ray.scheduler.core import SchedulerCore, StepSlot
+from vgbs_ray.scheduler.policy import DropStale, EmitFullStep, FlushRequest, MaxWaitFlush, RunFlush, WaitFor
+from vgbs_ray.scheduler.types import FlushResult
+from vgbs_ray.scheduler.stepping import PlannedStep, plan_step
 
 
 class StepEmitter:

@@ -82,7 +82,7 @@ def producer_vs_direct() -> tuple[float, float]:
     from actors.agent_producer import AgentProducer, PromptSpec
     from vgbs_ray.producer_core import AgentProducerConfig
     from actors.rollout_engine import EngineConfig, RolloutEnginePool
-    from vgbs_ray.scheduler_types import SchedulerConfig
+    from vgbs_ray.scheduler.types import SchedulerConfig
     from actors.scheduler_actor import create_scheduler
     from tests.hf_support import tiny_hf_llama
     from vgbs_ray.config import BatchConfig

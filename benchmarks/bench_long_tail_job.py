@@ -6,7 +6,7 @@ an all-short control, back to back in one process.
 Each run is `--preset long_tail` (examples/long_tail_agent.py: 79% one-token episodes, 16% 2-4 turns of 4 tokens,
 5% 8-16 turns of 8 tokens; one vLLM CPU engine, gbs 64, staleness 1, decoupled PPO) with:
 - count: the producers' groups in flight bound the work (the default);
-- tokens: `scheduler.admission_token_budget=--budget` on top (vgbs_ray/token_budget.py);
+- tokens: `scheduler.admission_token_budget=--budget` on top (vgbs_ray/scheduler/token_budget.py);
 - control: every episode one short turn (`closed_loop.agent_kwargs.all_short=true`), count admission.
 Printed per run, over the steps after the first 5: trained rollouts/s; the trainer's idle share (its summed shard
 waits over the step loop's time); the engine's mean requests per vLLM step (how full continuous batching kept it)

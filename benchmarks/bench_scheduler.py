@@ -51,7 +51,7 @@ import numpy as np
 import psutil
 import ray
 
-from vgbs_ray.scheduler_types import SchedulerConfig
+from vgbs_ray.scheduler.types import SchedulerConfig
 from actors.scheduler_actor import create_scheduler
 from vgbs_ray.config import BatchConfig, ParallelConfig
 

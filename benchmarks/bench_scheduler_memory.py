@@ -56,10 +56,10 @@ import time
 import numpy as np
 import ray
 
-from vgbs_ray.scheduler_types import SchedulerConfig
+from vgbs_ray.scheduler.types import SchedulerConfig
 from actors.scheduler_actor import create_scheduler
 from vgbs_ray.config import BatchConfig, ParallelConfig
-from vgbs_ray.intake import IntakeConfig
+from vgbs_ray.scheduler.intake import IntakeConfig
 
 TOKENS = 16
 BATCH = 1000

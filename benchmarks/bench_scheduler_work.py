@@ -23,9 +23,9 @@ import numpy as np
 
 from bench_scheduler import BATCH_SAMPLES, DP_SIZE, GBS, MAX_TOKENS_PER_GPU, make_batches  # a sibling script
 from vgbs_ray.config import BatchConfig, ParallelConfig
-from vgbs_ray.intake import IntakeConfig, RolloutIntake
-from vgbs_ray.ledger import Ledger
-from vgbs_ray.stepping import plan_step
+from vgbs_ray.scheduler.intake import IntakeConfig, RolloutIntake
+from vgbs_ray.scheduler.ledger import Ledger
+from vgbs_ray.scheduler.stepping import plan_step
 
 SETTLED_STEPS = 40  # 20k rollouts already trained: lookups meet a table, not an empty one
 

@@ -4,7 +4,7 @@
 
 `tests/staleness_sim.py` models producers (a fifth of the rollouts run 4x longer), the
 scheduler and a trainer whose step takes about as long as a short rollout; the rules under
-test are the real ones from `vgbs_ray.staleness`. For max_staleness 0, 1, 2 and three rule
+test are the real ones from `vgbs_ray.scheduler.staleness`. For max_staleness 0, 1, 2 and three rule
 sets, printed side by side: the share of finished rollouts dropped as stale, the long
 rollouts' share among trained rollouts over their share among started ones (1.0 = no
 starvation), the trainer's idle share, and rollouts trained per unit of model time.

@@ -38,9 +38,9 @@ from typing import Callable, Sequence
 
 import ray
 
-from vgbs_ray.scheduler_state import SchedulerState
+from vgbs_ray.scheduler.state import SchedulerState
 from vgbs_ray.errors import ConfigError
-from vgbs_ray.resume import ledger_record
+from vgbs_ray.scheduler.resume import ledger_record
 
 __all__ = [
     "ResumePoint", "checkpoint_next_step", "checkpoint_root", "latest_checkpoint", "ledger_record", "load_job_state",

@@ -52,7 +52,7 @@ from actors.weight_sync import (WeightChannelError, WeightSyncConfig, open_weigh
                                 send_weights)
 from vgbs_ray.failure_policy import FailureBudget
 from vgbs_ray.producer_core import AgentProducerConfig
-from vgbs_ray.scheduler_types import ENGINES_BUDGET
+from vgbs_ray.scheduler.types import ENGINES_BUDGET
 
 log = logging.getLogger("vgbs.job")
 

@@ -23,7 +23,7 @@ from typing import Literal
 
 from actors.rollout_engine import EngineConfig
 from actors.weight_sync import WeightSyncConfig
-from vgbs_ray.scheduler_types import ENGINES_BUDGET, SchedulerConfig
+from vgbs_ray.scheduler.types import ENGINES_BUDGET, SchedulerConfig
 from trainer.config import AdapterConfig, LossConfig, ModelConfig, OptimizerConfig, TrainGroupConfig
 from jobs.config_loader import apply_overrides, config_from_mapping, describe, load_yaml
 from jobs.tracking import LOGGER_NAMES
@@ -32,7 +32,7 @@ from vgbs_ray.config import BatchConfig, check_schedule_configs
 from vgbs_ray.agents import SamplingConfig
 from vgbs_ray.agents.tool_calls import FAMILY_PARSERS, ToolRequestError, check_parser_name
 from vgbs_ray.errors import ConfigError
-from vgbs_ray.intake import IntakeConfig
+from vgbs_ray.scheduler.intake import IntakeConfig
 from vgbs_ray.lora import LoraConfig, check_adapter_name
 from vgbs_ray.lr_schedule import LRScheduleConfig
 from vgbs_ray.checkpoint_files import has_tokenizer

@@ -136,7 +136,7 @@ def counter_values(*, dropped_by_reason: dict, rejected_samples_by_rule: dict, r
 
 
 def counters_from_stats(stats, recoveries: int) -> dict[str, float]:
-    """`counter_values` of a SchedulerStats (vgbs_ray/scheduler_types.py) and the job's recovery count."""
+    """`counter_values` of a SchedulerStats (vgbs_ray/scheduler/types.py) and the job's recovery count."""
     return counter_values(dropped_by_reason=stats.ledger.dropped_by_reason,
                           rejected_samples_by_rule=stats.ledger.rejected_samples_by_rule,
                           refused_admissions=stats.refused_admissions, recoveries=recoveries)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import ray
 
-from vgbs_ray.scheduler_types import SchedulerConfig
+from vgbs_ray.scheduler.types import SchedulerConfig
 from actors.train_group import PlacementGroupTimeoutError, TrainGroup, TrainStepError
 from jobs.checkpoint import load_job_state, producer_cursors, save_job_state
 from jobs.job_config import JobConfig

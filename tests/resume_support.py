@@ -15,7 +15,7 @@ import ray
 
 from actors.agent_producer import PRODUCER_NAME, AgentProducer
 from actors.scheduler_actor import DEFAULT_NAME
-from vgbs_ray.scheduler_types import Admission, SubmitResult
+from vgbs_ray.scheduler.types import Admission, SubmitResult
 
 
 def synthetic_producers() -> list[str]:

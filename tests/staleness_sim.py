@@ -23,9 +23,9 @@ import itertools
 import random
 from dataclasses import dataclass, field
 
-from vgbs_ray.staleness import STALE_REASON, split_stale, staleness
-from vgbs_ray.staleness_window import StalenessWindow
-from vgbs_ray.step_choice import StepChoice
+from vgbs_ray.scheduler.staleness import STALE_REASON, split_stale, staleness
+from vgbs_ray.scheduler.staleness_window import StalenessWindow
+from vgbs_ray.scheduler.step_choice import StepChoice
 
 RULE_SETS = ("full", "admission_only", "none")
 

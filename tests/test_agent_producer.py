@@ -21,12 +21,12 @@ import ray
 from actors.agent_producer import PromptSpec, start_agent_producer
 from vgbs_ray.producer_core import AgentProducerConfig
 from actors.rollout_engine import EngineClient
-from vgbs_ray.scheduler_types import SchedulerConfig
+from vgbs_ray.scheduler.types import SchedulerConfig
 from actors.scheduler_actor import create_scheduler
 from examples.digit_agent import ASSISTANT, VOCABULARY, build_tokenizer
 from vgbs_ray.agents import Generation
 from vgbs_ray.config import BatchConfig
-from vgbs_ray.intake import IntakeConfig
+from vgbs_ray.scheduler.intake import IntakeConfig
 
 pytestmark = pytest.mark.slow  # Ray actors: ~30 s
 

@@ -10,9 +10,9 @@ import pytest
 from tests.bad_inputs import BAD_INPUTS, CORPUS_LIMITS
 from tests.rollout_factory import rollout_rows, sample_row
 from vgbs_ray.config import BatchConfig, ParallelConfig
-from vgbs_ray.intake import IntakeConfig, RolloutIntake
-from vgbs_ray.ledger import Ledger, RolloutState
-from vgbs_ray.stepping import leftover_action, plan_step
+from vgbs_ray.scheduler.intake import IntakeConfig, RolloutIntake
+from vgbs_ray.scheduler.ledger import Ledger, RolloutState
+from vgbs_ray.scheduler.stepping import leftover_action, plan_step
 
 
 def make(**cfg) -> RolloutIntake:

@@ -19,9 +19,9 @@ print(",".join(loaded))
 
 @pytest.mark.parametrize("module, forbidden", [
     ("actors.scheduler_actor", ("torch", "megatron", "vllm")),
-    ("vgbs_ray.intake", ("ray", "torch", "megatron", "vllm")),
-    ("vgbs_ray.stepping", ("ray", "torch", "megatron", "vllm")),
-    ("vgbs_ray.scheduler_policy", ("ray", "torch", "megatron", "vllm")),
+    ("vgbs_ray.scheduler.intake", ("ray", "torch", "megatron", "vllm")),
+    ("vgbs_ray.scheduler.stepping", ("ray", "torch", "megatron", "vllm")),
+    ("vgbs_ray.scheduler.policy", ("ray", "torch", "megatron", "vllm")),
 ])
 def test_module_does_not_import(module, forbidden):
     out = subprocess.run([sys.executable, "-c", CHECK.format(module=module, forbidden=forbidden)],

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from vgbs_ray.ledger import Ledger, LedgerError, Rejection, RolloutState
-from vgbs_ray.settled_ids import SettledIds, decode_id, encode_id
+from vgbs_ray.scheduler.ledger import Ledger, LedgerError, Rejection, RolloutState
+from vgbs_ray.scheduler.settled_ids import SettledIds, decode_id, encode_id
 
 
 def test_lifecycle_and_summary():
@@ -89,7 +89,7 @@ def test_id_encoding_round_trips(value):
 
 
 def test_settled_ids_are_exact_across_merges_and_collisions(monkeypatch):
-    import vgbs_ray.settled_ids as module
+    import vgbs_ray.scheduler.settled_ids as module
 
     monkeypatch.setattr(module, "MERGE_EVERY", 7)  # many merges on a small table
     table = SettledIds()
@@ -184,7 +184,7 @@ def test_settled_ids_round_trip_through_bytes_in_another_process():
     with pytest.raises(ValueError, match="not a SettledIds"):
         SettledIds.from_bytes(b"nope")
     # Another interpreter hashes bytes with another salt: the reader must rebuild its index.
-    code = ("import sys; from vgbs_ray.settled_ids import SettledIds; t = SettledIds.from_bytes(sys.stdin.buffer.read()); "
+    code = ("import sys; from vgbs_ray.scheduler.settled_ids import SettledIds; t = SettledIds.from_bytes(sys.stdin.buffer.read()); "
             "print(t.get('r4999'), t.get(4096), t.get('r4'))")
     out = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, check=True, timeout=120,
                          env={**__import__("os").environ, "PYTHONHASHSEED": "12345"}).stdout.decode().strip()

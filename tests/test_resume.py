@@ -24,10 +24,10 @@ from jobs.checkpoint import load_resume_point
 from tests.resume_support import HoldingProducer, RecordingScheduler
 from vgbs_ray.agents import RolloutContext
 from vgbs_ray.errors import ConfigError
-from vgbs_ray.intake import IntakeSnapshot
-from vgbs_ray.resume import ledger_record
-from vgbs_ray.scheduler_state import SchedulerState
-from vgbs_ray.settled_ids import SettledIds
+from vgbs_ray.scheduler.intake import IntakeSnapshot
+from vgbs_ray.scheduler.resume import ledger_record
+from vgbs_ray.scheduler.state import SchedulerState
+from vgbs_ray.scheduler.settled_ids import SettledIds
 
 NUM_PROMPTS, GROUP = 8, 2
 AGENT_KWARGS = {"max_delay_s": 0.02, "vocab_size": 16, "multi_sample_fraction": 0.6}

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import ray
 
-from vgbs_ray.scheduler_types import SchedulerConfig, SubmitResult
+from vgbs_ray.scheduler.types import SchedulerConfig, SubmitResult
 from actors.shard_ref import ShardRef
 from actors.scheduler_actor import create_scheduler
 from tests.rollout_factory import many_rollouts, rollout_rows, sample_row
 from tests.scheduler_harness import call, drain, rollouts_of
 from vgbs_ray.config import BatchConfig, ParallelConfig
-from vgbs_ray.intake import IntakeConfig
+from vgbs_ray.scheduler.intake import IntakeConfig
 from vgbs_ray.errors import (
     ConfigError, RolloutValidationError, SchedulerStateError, SchedulerTimeoutError, VgbsError,
 )

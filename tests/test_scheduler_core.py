@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from tests.rollout_factory import rollout_rows, sample_row
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.errors import SchedulerStateError
-from vgbs_ray.scheduler_core import SchedulerCore
-from vgbs_ray.scheduler_policy import DropStale, EmitFullStep, FlushRequest, MaxWaitFlush, RunFlush, WaitFor
-from vgbs_ray.scheduler_types import SchedulerConfig, StepRecord
-from vgbs_ray.stepping import plan_step
+from vgbs_ray.scheduler.core import SchedulerCore
+from vgbs_ray.scheduler.policy import DropStale, EmitFullStep, FlushRequest, MaxWaitFlush, RunFlush, WaitFor
+from vgbs_ray.scheduler.types import SchedulerConfig, StepRecord
+from vgbs_ray.scheduler.stepping import plan_step
 
 END = FlushRequest("end_of_input", end_of_input=True)
 FLUSH = FlushRequest("flush", end_of_input=False)

@@ -9,13 +9,13 @@ import time
 import pytest
 import ray
 
-from vgbs_ray.scheduler_types import SchedulerConfig
+from vgbs_ray.scheduler.types import SchedulerConfig
 from actors.scheduler_actor import create_scheduler
 from tests.bad_inputs import BAD_INPUTS, CORPUS_LIMITS
 from tests.rollout_factory import rollout_rows, sample_row
 from tests.scheduler_harness import call
 from vgbs_ray.config import BatchConfig, ParallelConfig
-from vgbs_ray.intake import IntakeConfig
+from vgbs_ray.scheduler.intake import IntakeConfig
 
 NAME = "sched-corpus"
 

@@ -8,7 +8,7 @@ import ray
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from vgbs_ray.scheduler_types import SchedulerConfig
+from vgbs_ray.scheduler.types import SchedulerConfig
 from actors.scheduler_actor import create_scheduler
 from tests.rollout_factory import sample_row
 from tests.scheduler_harness import call, drain

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vgbs_ray.scheduler_policy import (
+from vgbs_ray.scheduler.policy import (
     EmitFullStep, FlushRequest, MaxWaitFlush, RunFlush, SchedulerView, WaitFor, admit_new_rollouts, next_action,
 )
-from vgbs_ray.step_choice import StepChoice
+from vgbs_ray.scheduler.step_choice import StepChoice
 
 FLUSH = FlushRequest("flush", end_of_input=False)
 END = FlushRequest("end_of_input", end_of_input=True)
@@ -90,7 +90,7 @@ def test_admission():
 
 
 def test_stale_rollouts_are_dropped_first_and_a_last_chance_wait_holds_a_full_step():
-    from vgbs_ray.scheduler_policy import DropStale
+    from vgbs_ray.scheduler.policy import DropStale
 
     assert next_action(view(num_ready=4, num_stale=1)) == DropStale(["stale0"])
     assert isinstance(next_action(view(num_ready=4, num_stale=1, registered=False)), DropStale)  # needs no layout
@@ -99,8 +99,8 @@ def test_stale_rollouts_are_dropped_first_and_a_last_chance_wait_holds_a_full_st
 
 
 def test_window_replays_put_back_rollouts_first_then_oldest_first():
-    from vgbs_ray.staleness import oldest_versions
-    from vgbs_ray.staleness_window import StalenessWindow
+    from vgbs_ray.scheduler.staleness import oldest_versions
+    from vgbs_ray.scheduler.staleness_window import StalenessWindow
 
     window = StalenessWindow(gbs=3, max_staleness=1, steps_formed=5)
     ready = {"r1": 5, "r2": 4, "new": 4, "older": 4, "ancient": 2}

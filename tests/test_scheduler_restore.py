@@ -11,15 +11,15 @@ import pickle
 import pytest
 import ray
 
-from vgbs_ray.scheduler_types import SchedulerConfig
-from vgbs_ray.scheduler_state import SchedulerState
+from vgbs_ray.scheduler.types import SchedulerConfig
+from vgbs_ray.scheduler.state import SchedulerState
 from actors.scheduler_actor import create_scheduler
 from tests.rollout_factory import rollout_rows, sample_row
 from tests.scheduler_harness import call
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.errors import ConfigError, SchedulerStateError
-from vgbs_ray.intake import IntakeConfig, IntakeSnapshot, RolloutIntake
-from vgbs_ray.ledger import Ledger
+from vgbs_ray.scheduler.intake import IntakeConfig, IntakeSnapshot, RolloutIntake
+from vgbs_ray.scheduler.ledger import Ledger
 from vgbs_ray.sample import Sample
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from vgbs_ray.scheduler_types import SchedulerConfig
+from vgbs_ray.scheduler.types import SchedulerConfig
 from actors.scheduler_actor import create_scheduler
 from tests.scheduler_harness import Pusher, SimulatedRanks, call
 from vgbs_ray.config import BatchConfig, ParallelConfig

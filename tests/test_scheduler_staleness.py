@@ -12,7 +12,7 @@ import random
 import pytest
 import ray
 
-from vgbs_ray.scheduler_types import Admission, SchedulerConfig
+from vgbs_ray.scheduler.types import Admission, SchedulerConfig
 from actors.scheduler_actor import create_scheduler
 from tests.rollout_factory import rollout_rows
 from tests.scheduler_harness import call

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import ray
 
-from vgbs_ray.scheduler_types import SchedulerConfig
+from vgbs_ray.scheduler.types import SchedulerConfig
 from actors.scheduler_actor import create_scheduler
 from tests.rollout_factory import rollout_rows
 from tests.scheduler_harness import Producer, call, drain, rollouts_of
 from vgbs_ray.config import BatchConfig, ParallelConfig
-from vgbs_ray.intake import IntakeConfig
+from vgbs_ray.scheduler.intake import IntakeConfig
 
 NAME = "sched-stream"
 NUM_BLOCKS = 8

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tests.staleness_sim import RULE_SETS, SimConfig, simulate
 from vgbs_ray.errors import ConfigError, RolloutValidationError
 from vgbs_ray.sample import Sample, validate_sample
-from vgbs_ray.staleness import (STALE_REASON, admit_rollouts, check_admission_config,
+from vgbs_ray.scheduler.staleness import (STALE_REASON, admit_rollouts, check_admission_config,
                                 last_chance_in_flight, oldest_first, split_stale, staleness,
                                 staleness_stats)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vgbs_ray.staleness_window import StalenessWindow
+from vgbs_ray.scheduler.staleness_window import StalenessWindow
 
 
 def test_admission_counts_pending_until_formed_or_discarded():

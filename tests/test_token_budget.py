@@ -1,4 +1,4 @@
-"""Admission by tokens (vgbs_ray/token_budget.py) alone and in the scheduler's core: groups are admitted while
+"""Admission by tokens (vgbs_ray/scheduler/token_budget.py) alone and in the scheduler's core: groups are admitted while
 the rollouts in flight, each charged the expected tokens of a rollout, fit the budget; the expectation follows
 the rollouts that complete; every way a rollout leaves frees its share."""
 
@@ -9,7 +9,7 @@ import pytest
 from jobs.job_config import load_job_config
 from tests.test_scheduler_core import make_core, push
 from vgbs_ray.errors import ConfigError
-from vgbs_ray.token_budget import TokenBudget
+from vgbs_ray.scheduler.token_budget import TokenBudget
 
 
 def test_a_budget_admits_while_the_expected_tokens_fit_and_learns_from_completed_rollouts():

@@ -145,7 +145,7 @@ def test_dead_train_actor_fails_the_step_within_the_collective_timeout(ray_sessi
 
 @pytest.mark.slow
 def test_steps_pulled_from_the_scheduler_actor(dp2_group):
-    from vgbs_ray.scheduler_types import SchedulerConfig
+    from vgbs_ray.scheduler.types import SchedulerConfig
     from actors.scheduler_actor import create_scheduler
 
     scheduler = create_scheduler(SchedulerConfig(batch=BatchConfig(global_batch_size=8, max_tokens_per_gpu=120)),

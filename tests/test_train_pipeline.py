@@ -141,7 +141,7 @@ def test_pp4_vpp2_matches_pp1(ray_session):
 @pytest.mark.slow
 def test_interleaved_steps_from_the_scheduler_actor_with_its_padding(ray_session):
     """The SchedulerActor lays out for the group's (vpp, group) and pads a 1-sample partial step to 2 micro-batches."""
-    from vgbs_ray.scheduler_types import SchedulerConfig
+    from vgbs_ray.scheduler.types import SchedulerConfig
     from actors.scheduler_actor import create_scheduler
     from tests.train_support import reference_update
 

@@ -2,7 +2,7 @@
 
 Policy version v = the optimizer steps the weights have taken. A rollout trained by the step
 that starts from version k, whose oldest token came from version v_old, has staleness
-k - v_old (`vgbs_ray.staleness`). The loss that corrects for it is `train.loss.policy`
+k - v_old (`vgbs_ray.scheduler.staleness`). The loss that corrects for it is `train.loss.policy`
 (`vgbs_ray.losses`): with `max_staleness > 0` the job refuses a loss without an off-policy
 correction (plain `ppo` against the behaviour policy, say) unless the user opts in with
 `allow_uncorrected_staleness=True`: training on stale data without a correction is a known

@@ -1,4 +1,4 @@
-"""Typed config and results of the scheduler (`vgbs_ray.scheduler_core` and the SchedulerActor around it).
+"""Typed config and results of the scheduler (`vgbs_ray.scheduler.core` and the SchedulerActor around it).
 
 Everything here is a frozen dataclass that crosses Ray boundaries by pickling, and imports no Ray.
 Units: `_s` in seconds; token counts are prompt + response tokens. Where a shard lives in the object
@@ -12,9 +12,9 @@ from typing import ClassVar, Hashable
 
 from vgbs_ray.config import BatchConfig
 from vgbs_ray.errors import ConfigError
-from vgbs_ray.intake import IntakeConfig
-from vgbs_ray.ledger import LedgerSummary, Rejection
-from vgbs_ray.staleness import AdmissionDecision
+from vgbs_ray.scheduler.intake import IntakeConfig
+from vgbs_ray.scheduler.ledger import LedgerSummary, Rejection
+from vgbs_ray.scheduler.staleness import AdmissionDecision
 
 __all__ = [
     "Admission", "FlushResult", "SchedulerConfig", "SchedulerStats", "StepRecord", "SubmitResult",
@@ -68,13 +68,13 @@ class SchedulerConfig:
     """Policy versions a trained rollout may lag the step that trains it (step k trains version k);
     None = no staleness rules (synthetic runs: samples without versions). Set: a step drops ready
     rollouts older than that (reason `stale`), takes the oldest first, waits for an admitted rollout
-    in flight whose last chance it is, and `admit` runs admission control (vgbs_ray.staleness).
+    in flight whose last chance it is, and `admit` runs admission control (vgbs_ray.scheduler.staleness).
     A job fills it from train.loss.off_policy.max_staleness. Each group's size is checked against
     it (check_admission_config) when producers first `admit` the group: the scheduler does not know
     group sizes before."""
 
     admission_token_budget: int | str | None = None
-    """Admission by tokens (vgbs_ray/token_budget.py): the tokens the engines hold at once (their KV cache over
+    """Admission by tokens (vgbs_ray/scheduler/token_budget.py): the tokens the engines hold at once (their KV cache over
     all engines). A group is admitted only while the rollouts in flight, each charged the tokens a rollout is
     expected to hold (corrected by every rollout that completes), fit it; applied with the staleness rule
     (needs max_staleness). "engines": the engines' own KV caches, read from them when they start (a job sets

@@ -2,7 +2,7 @@
 
 - `ledger_record`: every rollout's state in a checkpoint as JSON (the checkpoint's ledger.json).
 
-It reads a `SchedulerState` (vgbs_ray/scheduler_state.py): settled ids (trained with their step,
+It reads a `SchedulerState` (vgbs_ray/scheduler/state.py): settled ids (trained with their step,
 dropped with their reason) and the intake's untrained rollouts (ready, waiting for their group,
 partly received).
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from vgbs_ray.scheduler_state import SchedulerState
-from vgbs_ray.settled_ids import SettledIds
+from vgbs_ray.scheduler.state import SchedulerState
+from vgbs_ray.scheduler.settled_ids import SettledIds
 
 
 def ledger_record(state: SchedulerState) -> dict:

@@ -33,19 +33,19 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from vgbs_ray.config import ParallelConfig, check_schedule_configs
 from vgbs_ray.errors import ConfigError, SchedulerStateError
-from vgbs_ray.intake import IngestOutcome, ReadyRollout, RolloutIntake
-from vgbs_ray.ledger import Ledger
+from vgbs_ray.scheduler.intake import IngestOutcome, ReadyRollout, RolloutIntake
+from vgbs_ray.scheduler.ledger import Ledger
 from vgbs_ray.metrics import reduce_metric_pairs
 from vgbs_ray.sample import Sample
-from vgbs_ray.scheduler_policy import Action, FlushRequest, SchedulerView, admit_new_rollouts, next_action
-from vgbs_ray.scheduler_state import SchedulerState
-from vgbs_ray.scheduler_types import ENGINES_BUDGET, Admission, SchedulerConfig, SchedulerStats, StepRecord
-from vgbs_ray.settled_ids import SettledIds
-from vgbs_ray.token_budget import TokenBudget
-from vgbs_ray.staleness import STALE_REASON, oldest_versions, staleness_stats
-from vgbs_ray.staleness_window import StalenessWindow
-from vgbs_ray.step_choice import FifoChooser, StepChooser
-from vgbs_ray.stepping import PlannedStep, leftover_action, leftover_drop_reason
+from vgbs_ray.scheduler.policy import Action, FlushRequest, SchedulerView, admit_new_rollouts, next_action
+from vgbs_ray.scheduler.state import SchedulerState
+from vgbs_ray.scheduler.types import ENGINES_BUDGET, Admission, SchedulerConfig, SchedulerStats, StepRecord
+from vgbs_ray.scheduler.settled_ids import SettledIds
+from vgbs_ray.scheduler.token_budget import TokenBudget
+from vgbs_ray.scheduler.staleness import STALE_REASON, oldest_versions, staleness_stats
+from vgbs_ray.scheduler.staleness_window import StalenessWindow
+from vgbs_ray.scheduler.step_choice import FifoChooser, StepChooser
+from vgbs_ray.scheduler.stepping import PlannedStep, leftover_action, leftover_drop_reason
 
 
 class SchedulerEvents:
@@ -104,7 +104,7 @@ class SchedulerCore:
         self._accepted = self._rejected = self._deferred = 0
         self._admitted = self._refused_admissions = 0
         self.tokens: TokenBudget | None = None
-        """Admission by tokens (vgbs_ray/token_budget.py), when configured (for "engines": once they set it)."""
+        """Admission by tokens (vgbs_ray/scheduler/token_budget.py), when configured (for "engines": once they set it)."""
         if config.admission_token_budget not in (None, ENGINES_BUDGET):
             self.set_token_budget(config.admission_token_budget)
         self._incomplete: list = []
@@ -209,7 +209,7 @@ class SchedulerCore:
 
     def export_state(self, next_step: int) -> SchedulerState:
         """The state a checkpoint holding every step < `next_step` needs to resume this scheduler (see
-        vgbs_ray.scheduler_state). Every step < `next_step` must be trained; steps >= it already emitted go
+        vgbs_ray.scheduler.state). Every step < `next_step` must be trained; steps >= it already emitted go
         first, as untrained. Changes nothing. Raises SchedulerStateError naming the step that prevents it."""
         if not 0 <= next_step <= self.next_step:
             raise SchedulerStateError(f"cannot export at step {next_step}: steps emitted so far are "
@@ -337,7 +337,7 @@ class SchedulerCore:
 
     # -- forming steps -----------------------------------------------------------------
     def next_action(self, *, now: float, flush_requests: Sequence[FlushRequest] = (), active_datasets: int = 0) -> Action:
-        """What to do next (vgbs_ray.scheduler_policy.next_action over this state). O(ready log ready) with
+        """What to do next (vgbs_ray.scheduler.policy.next_action over this state). O(ready log ready) with
         staleness rules, O(1) without (O(gbs) when a full step is ready). Changes nothing."""
         oldest = self.intake.oldest_ready_at()
         ready = self.intake.ready_rollouts()

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Hashable, Iterable, Iterator
 
 from vgbs_ray.errors import RolloutValidationError, VgbsError
-from vgbs_ray.settled_ids import SettledIds
+from vgbs_ray.scheduler.settled_ids import SettledIds
 
 DEFAULT_RECENT_REJECTIONS = 1000
 

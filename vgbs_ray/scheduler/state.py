@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vgbs_ray.errors import ConfigError
-from vgbs_ray.intake import IntakeSnapshot
+from vgbs_ray.scheduler.intake import IntakeSnapshot
 
 FORMAT_VERSION = 1
 

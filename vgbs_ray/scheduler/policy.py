@@ -9,7 +9,7 @@ repeats; neither decides anything itself (the shape of Ray Train v2's controller
 `FailurePolicy.make_decision`). Priorities, highest first:
 
 0. Drop stale rollouts (staleness enforced: `SchedulerConfig.max_staleness`): a ready rollout
-   too old for the next step is too old for every later one (rule 1 of `vgbs_ray.staleness`).
+   too old for the next step is too old for every later one (rule 1 of `vgbs_ray.scheduler.staleness`).
 1. A full step, whenever the chooser took `global_batch_size` trainable rollouts, a train group
    is registered (layouts need its parallel config) and no admitted rollout in flight has its
    last chance in this step (rule 2; `waiting_for`), or the step has been held for them
@@ -22,7 +22,7 @@ repeats; neither decides anything itself (the shape of Ray Train v2's controller
    leftover="carry", which never flushes mid-run).
 4. Otherwise wait: for a change of state, or until the max-wait or the hold deadline.
 
-Which ready rollouts a step takes and which are stale is the chooser's (`vgbs_ray.step_choice`).
+Which ready rollouts a step takes and which are stale is the chooser's (`vgbs_ray.scheduler.step_choice`).
 
 Every action makes progress (a step can always be laid out: empty padding micro-batches fill
 an alignment that real samples cannot reach), so the loop cannot spin on the same state.
@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vgbs_ray.config import LeftoverPolicy
-from vgbs_ray.step_choice import StepChoice
+from vgbs_ray.scheduler.step_choice import StepChoice
 
 
 @dataclass(frozen=True)

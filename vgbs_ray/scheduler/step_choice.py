@@ -1,16 +1,16 @@
 """Which ready rollouts the next step takes: one small protocol, two implementations.
 
     chooser = FifoChooser(gbs=64)                                   # no staleness rules
-    chooser = StalenessWindow(gbs=64, max_staleness=1)             # vgbs_ray.staleness_window
+    chooser = StalenessWindow(gbs=64, max_staleness=1)             # vgbs_ray.scheduler.staleness_window
     choice = chooser.choose(intake.ready_rollouts(), replay=ids)   # StepChoice: take, stale, waiting_for
 
-`vgbs_ray.scheduler_core.SchedulerCore` asks its chooser what the next step is and reports back
+`vgbs_ray.scheduler.core.SchedulerCore` asks its chooser what the next step is and reports back
 what happened to rollouts (finished, discarded, formed into a step); it never asks which kind
 of chooser it holds, except that admission control (`admit`) is only recorded when the chooser
 `enforced`s it. `FifoChooser` takes the first `gbs` ready rollouts in buffer order (a rewind puts
 the rollouts it returns at the front of the buffer, so a replayed step is the step that was
 trained) and admits every group; `StalenessWindow` applies the three rules of
-`vgbs_ray.staleness` (stale drops, last-chance waits, admission).
+`vgbs_ray.scheduler.staleness` (stale drops, last-chance waits, admission).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Collection, Hashable, Iterable, Protocol
 
-from vgbs_ray.intake import ReadyRollout
-from vgbs_ray.staleness import AdmissionDecision
+from vgbs_ray.scheduler.intake import ReadyRollout
+from vgbs_ray.scheduler.staleness import AdmissionDecision
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The scheduler's staleness state, and the three rules of `vgbs_ray.staleness` applied to it.
+"""The scheduler's staleness state, and the three rules of `vgbs_ray.scheduler.staleness` applied to it.
 
     window = StalenessWindow(gbs=64, max_staleness=1, steps_formed=restored_version)
     decision = window.try_admit(rollout_ids, engine_version)   # a producer asks before starting a group
@@ -7,7 +7,7 @@
     choice = window.next_step(buffered_oldest)                 # what to do: StepChoice(take, stale, waiting_for)
     window.step_formed(choice.take)                            # after the scheduler formed that step
 
-It is the staleness-enforcing `vgbs_ray.step_choice.StepChooser` (`choose` takes the ready
+It is the staleness-enforcing `vgbs_ray.scheduler.step_choice.StepChooser` (`choose` takes the ready
 rollouts themselves; `FifoChooser` is the other one).
 
 The window holds only what the rules need: the rollouts admitted and not yet in a step or
@@ -30,10 +30,10 @@ from __future__ import annotations
 
 from typing import Collection, Hashable, Iterable, Mapping
 
-from vgbs_ray.intake import ReadyRollout
-from vgbs_ray.staleness import (AdmissionDecision, admit_rollouts, check_admission_config, last_chance_in_flight,
+from vgbs_ray.scheduler.intake import ReadyRollout
+from vgbs_ray.scheduler.staleness import (AdmissionDecision, admit_rollouts, check_admission_config, last_chance_in_flight,
                                 oldest_first, oldest_versions, split_stale)
-from vgbs_ray.step_choice import StepChoice
+from vgbs_ray.scheduler.step_choice import StepChoice
 
 
 class StalenessWindow:

@@ -44,9 +44,9 @@ from typing import Any, ClassVar, Hashable, NamedTuple, Sequence
 
 from vgbs_ray.advantages import DEFAULT_EPS, group_advantages, is_uniform_group
 from vgbs_ray.errors import ConfigError, RolloutValidationError
-from vgbs_ray.ledger import Ledger, Rejection, RolloutState
+from vgbs_ray.scheduler.ledger import Ledger, Rejection, RolloutState
 from vgbs_ray.sample import Sample, check_sibling, validate_sample
-from vgbs_ray.settled_ids import SettledIds
+from vgbs_ray.scheduler.settled_ids import SettledIds
 
 __all__ = ["IngestOutcome", "IntakeConfig", "IntakeSnapshot", "ReadyRollout", "Rejection", "RolloutIntake", "UNIFORM_GROUP_REASON"]
 
