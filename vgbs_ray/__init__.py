@@ -11,5 +11,6 @@ Modules (one concept each; docs/architecture.md lists them all):
   shard       StepShard: what one DP rank trains in one step
   loss        per-rollout loss accounting (torch)
   metrics     (sum, count) metric pairs and their count-weighted reduction
-  scheduler_core, producer_core   the scheduler's and a producer's state, Ray-free
+  scheduler/  the scheduler's core, Ray-free (intake, ledger, staleness, steps, its state)
+  producer_core  a producer's bookkeeping, Ray-free
 """
