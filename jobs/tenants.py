@@ -157,15 +157,30 @@ class TenantJob:
                 trained += 1
                 if tenant.next_step < tenant.config.run.num_steps:
                     pending[name] = self._ask(tenant)
-                    if every and trained % every == 0:
-                        self._checkpoint()
+                    if every and trained % every == 0 and not self._checkpoint_or_recover(tenant):
+                        pending = self._ask_running()
+                    continue
+            # A tenant's end is checkpointed before its producers stop: a recovery never rewinds a tenant whose
+            # producers have stopped, and one whose end checkpoint failed is still running (rewound, asked again).
+            checkpointed = self._checkpoint_or_recover(tenant)
+            if not checkpointed:
+                pending = self._ask_running()
+                if tenant.outcome == "running":
                     continue
             if tenant.outcome == "running":
                 tenant.outcome = "finished"
             _stop_producers(tenant)
-            # A tenant's end is checkpointed: a recovery never rewinds a tenant whose producers have stopped.
-            self._checkpoint()
         return self._summary(time.monotonic() - started)
+
+    def _checkpoint_or_recover(self, tenant: Tenant) -> bool:
+        """A checkpoint; False when a train rank failed during it (a rank killed right after a step fails the next
+        collective, which may be this checkpoint's): then the group is recovered from the previous one."""
+        try:
+            self._checkpoint()
+        except RECOVERABLE_ERRORS as error:
+            self._recover(error, tenant)
+            return False
+        return True
 
     def _ask_running(self) -> dict:
         return {tenant.name: self._ask(tenant) for tenant in self.tenants
