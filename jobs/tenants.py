@@ -50,7 +50,7 @@ from jobs.producer_watch import ProducerWatch, stop_producers
 from jobs.progress import StepLine, StepRecorder
 from jobs.recovery import RECOVERABLE_ERRORS, JobFailedError, job_scheduler_config, retains_until_checkpoint
 from jobs.summary import closed_loop_summary, producers_outcome, step_line, summarize
-from vgbs_ray.failure_policy import FailureAction, FailureKind, FailureStatus, make_decision
+from vgbs_ray.failure_policy import FailureAction, FailureBudget, FailureKind
 
 log = logging.getLogger("vgbs.job")
 
@@ -95,6 +95,8 @@ class TenantJob:
         self.restore_steps: dict[str, int] = {}
         """Each tenant's next step in that checkpoint: a recovery rewinds it there."""
         self.recoveries: list[dict] = []
+        self.budget = FailureBudget(config.run.max_failures)
+        """The run's failure budget (vgbs_ray/failure_policy.py), as in the single-policy job."""
 
     def build(self) -> None:
         config = self.config
@@ -205,8 +207,7 @@ class TenantJob:
         tenant's scheduler rewound to its step there (the rollouts trained since train again, exactly once), its
         engines' adapter back to that version. Raises JobFailedError when run.max_failures is spent."""
         kind = error.kind if isinstance(error, TrainStepError) else FailureKind.TIMEOUT
-        decision = make_decision(FailureStatus(kind=kind, failures_before=len(self.recoveries)),
-                                 self.config.run.max_failures)
+        decision = self.budget.decide_train_failure(kind)
         if decision.action is FailureAction.STOP:
             raise JobFailedError(f"tenant {failed.name}, step {failed.next_step}: {error}; {decision.reason}") from error
         started = time.monotonic()
