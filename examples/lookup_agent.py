@@ -84,8 +84,10 @@ def make_prompts(seed: int = 0):
     return prompt
 
 
-async def run(row: dict, base_url: str, api_key: str, record_path: str | None = None) -> None:
-    """One rollout (async: the producer runs it on its event loop, no thread per rollout)."""
+async def run(row: dict, base_url: str, api_key: str, record_path: str | None = None,
+              called_credit: float = CALLED_CREDIT) -> None:
+    """One rollout (async: the producer runs it on its event loop, no thread per rollout). `called_credit`:
+    the reward of a lookup whose answers were digits, never the secret (a run's `run_kwargs` may raise it)."""
     client = async_openai_client(base_url, api_key)  # one HTTP client per process, not one per rollout
     secret = str(row["secret"])
     messages = [{"role": "user", "content": QUESTION}]
@@ -113,7 +115,7 @@ async def run(row: dict, base_url: str, api_key: str, record_path: str | None = 
             if text == secret:
                 reward = answer_reward
                 break
-            reward = CALLED_CREDIT
+            reward = called_credit
             messages += [{"role": "assistant", "content": text},
                          {"role": "user", "content": HIGHER if int(secret) > int(text) else LOWER}]
     if record_path is not None:
