@@ -38,7 +38,6 @@ import logging
 import os
 import secrets
 import shutil
-import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -50,7 +49,6 @@ from actors.rollout_engine import RolloutEnginePool
 from actors.shutdown import live_results, start_named, terminate
 from actors.weight_sync import (WeightChannelError, WeightSyncConfig, open_weight_channel, publish_weights,
                                 send_weights)
-from vgbs_ray.failure_policy import FailureBudget
 from vgbs_ray.producer_core import AgentProducerConfig
 from vgbs_ray.scheduler.types import ENGINES_BUDGET
 
@@ -153,13 +151,9 @@ class ClosedLoop:
     """With scheduler.admission_token_budget=engines: the engines' KV caches in tokens, the scheduler's budget."""
     owns_engines: bool = True
     """False for a multi-LoRA tenant's loop: the engines are the job's, shared by every tenant (jobs/tenants.py);
-    the loop neither watches nor shuts them down."""
+    the loop does not shut them down."""
     producer_name: str = PRODUCER_NAME
     """Actor name of producer i ({} = i); a tenant's producers carry its name."""
-    engine_watch: object = None
-    """The EngineWatch (jobs/engine_watch.py) that replaces dead or hung engines; None without engines."""
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    """Orders a publish and an engine replacement (the watch's thread) against each other."""
 
     @classmethod
     def launch(cls, config, scheduler, *, policy_version: int, cursors: list[dict | None] | None = None,
@@ -212,10 +206,9 @@ class ClosedLoop:
             record_samples_dir=(os.path.join(os.path.abspath(config.run.output_dir), "samples")
                                 if loop_config.record_samples else None))
 
-    def start(self, config, group, *, on_recovery=None, budget: FailureBudget | None = None) -> None:
+    def start(self, config, group) -> None:
         """`group`'s current weights to the engines as `policy_version` (waits for the engines and the load),
-        then the producers `launch` created run, then the engine watch. `on_recovery("engine")` is called
-        after each engine replacement (the job's Ray metric). On an error everything started is shut down."""
+        then the producers `launch` created run. On an error everything started is shut down."""
         loop_config = config.closed_loop
         try:
             if self.engines is not None:
@@ -230,13 +223,6 @@ class ClosedLoop:
                     ray.get(self.producer_args[1].set_token_budget.remote(self.kv_cache_tokens), timeout=60)
             self.producers = [(actor, actor.run.remote()) for actor in self.launched_producers]
             self.launched_producers = []
-            if self.engines is not None and self.owns_engines:
-                from jobs.engine_watch import EngineWatch
-
-                self.engine_watch = EngineWatch(self, budget=budget or FailureBudget(config.run.max_failures),
-                                                hang_timeout_s=loop_config.engines.call_timeout_s,
-                                                on_replace=on_recovery)
-                self.engine_watch.start()
         except BaseException:
             self.shutdown()
             raise
@@ -282,24 +268,22 @@ class ClosedLoop:
         if self.engines is None:
             return None
         started = time.perf_counter()
-        with self._lock:
-            if self.weight_sync.transport == "collective":
-                self._send_over_channel(group, policy_version)
-            else:
-                include_base = self.adapter is None or self.base_published is None
-                self.published = publish_weights(group, policy_version, include_base=include_base,
-                                                 adapter=self.adapter)
-                if include_base:
-                    self.base_published = self.published
-                self.loads.append((policy_version, self.engines.update_weights(self.published)))
-            self.policy_version = policy_version
+        if self.weight_sync.transport == "collective":
+            self._send_over_channel(group, policy_version)
+        else:
+            include_base = self.adapter is None or self.base_published is None
+            self.published = publish_weights(group, policy_version, include_base=include_base, adapter=self.adapter)
+            if include_base:
+                self.base_published = self.published
+            self.loads.append((policy_version, self.engines.update_weights(self.published)))
+        self.policy_version = policy_version
         self._collect_loads()
         return time.perf_counter() - started
 
     def _send_over_channel(self, group, policy_version: int) -> None:
-        """Over the weight channel (caller holds the lock). A channel needs every engine: while one is dead, or when
+        """Over the weight channel. A channel needs every engine: while one is dead, or when
         the send finds one gone (`WeightChannelError`: it died during the update), nothing is sent and no train
-        rank is blamed; the engine watch replaces the engine and `catch_up` sends the newest version over a new
+        rank is blamed; the job's controller replaces the engine and `catch_up` sends the newest version over a new
         channel. The live engines keep serving the version they hold whole until then."""
         new_channel = group is not self.channel_group
         if new_channel:  # the first sync, a recovery's new group, or a replaced engine
@@ -314,7 +298,7 @@ class ClosedLoop:
             send_weights(group, policy_version, self.weight_sync, include_base=self.adapter is None or new_channel,
                          adapter=self.adapter)
         except WeightChannelError as error:
-            log.warning("%s; the engine watch replaces the engine, then this version goes again over a new channel",
+            log.warning("%s; the engine is replaced, then this version goes again over a new channel",
                         error)
             self.channel_group = None
             self.channel_failures += 1
@@ -324,21 +308,17 @@ class ClosedLoop:
     def replace_engine(self, index: int) -> int:
         """Engine `index` (dead or hung) again, on its bundle, serving from the newest published version:
         loaded from the object store before it serves, or, over a collective, sent again over a channel
-        that includes it (`catch_up`, or the next publish). Called by the engine watch; returns that version."""
-        with self._lock:
-            version, published, base = self.policy_version, self.published, self.base_published
+        that includes it (`catch_up`, or the next publish). Called by the job's controller; returns that version."""
+        version, published, base = self.policy_version, self.published, self.base_published
         collective = self.weight_sync.transport == "collective"
         # with LoRA the newest publish may carry the adapter alone: the base's publish goes first
         if collective or published is None:
             weights = ()
         else:
             weights = (published,) if base is None or base is published else (base, published)
-        engine = self.engines.replace(index, serve_from_version=version, weights=weights)
-        with self._lock:
-            if collective:
-                self.channel_group = None
-            elif self.published is not published:  # a publish went out while it started
-                engine.update_weights.remote(self.published.policy_version, self.published.ref)
+        self.engines.replace(index, serve_from_version=version, weights=weights)
+        if collective:
+            self.channel_group = None
         return version
 
     def catch_up(self, group) -> None:
@@ -351,17 +331,12 @@ class ClosedLoop:
         log.info("sending policy version %d again, to the replaced engine(s)", self.policy_version)
         self.publish(group, self.policy_version)
 
-    def failure(self) -> str | None:
-        """Why the engines could not be kept (the engine watch's verdict), or None."""
-        return self.engine_watch.failure if self.engine_watch is not None else None
-
     def restore(self, group, policy_version: int) -> float | None:
         """After a recovery: the engines go back to the restored weights (version = the restored step)."""
         if self.engines is None:
             return None
         self.restored_versions.append(policy_version)
-        with self._lock:  # the base's publish belonged to the previous group's rank 0, which may be gone with it
-            self.base_published = None
+        self.base_published = None  # the base's publish belonged to the previous group's rank 0, maybe gone with it
         return self.publish(group, policy_version)
 
     def _collect_loads(self) -> None:
@@ -376,14 +351,14 @@ class ClosedLoop:
                 loads = ray.get(refs, timeout=10)
                 self.load_times_s.append((version, max(load.load_time_s for load in loads)))
                 self.load_bytes.append((version, max(load.num_bytes for load in loads)))
-            except Exception as error:  # noqa: BLE001 - a dead engine is the engine watch's; others show in generate
+            except Exception as error:  # noqa: BLE001 - a dead engine is the controller's; others show in generate
                 log.warning("engine load of policy version %d failed: %r", version, error)
         self.loads = pending
 
     def drain_sampled_reward(self) -> float | None:
         """Mean reward of every rollout the producers pushed since the previous call (filtered groups
         included: the sampling policy's own reward), or None when none was pushed."""
-        # A dead producer (the producer watch restarts it) has nothing to say.
+        # A dead producer (the controller restarts it) has nothing to say.
         pairs = live_results([actor.drain_rewards.remote() for actor, _ in self.producers], 60)
         count = sum(c for _, c in pairs)
         return sum(s for s, _ in pairs) / count if count else None
@@ -397,8 +372,6 @@ class ClosedLoop:
         return sum(u.idle_s for u in usage) / total if total > 0 else 0.0
 
     def shutdown(self) -> None:
-        if self.engine_watch is not None:  # first: no engine is replaced while they go
-            self.engine_watch.stop()
         terminate([actor for actor, _ in self.producers] + self.launched_producers)
         self.producers, self.launched_producers = [], []
         if self.engines is not None and self.owns_engines:

@@ -1,36 +1,28 @@
-"""The engines' watch: a driver thread that finds a dead or hung rollout engine and has it replaced.
+"""The engines' watch: finds a dead or hung rollout engine, as an event for the job's controller.
 
-    watch = EngineWatch(loop, budget=FailureBudget(max_failures=2), hang_timeout_s=300)
-    watch.start()
-    ...
-    watch.failure        # None, or why the engines could not be kept (the step loop raises it)
-    watch.replacements   # one record per replacement, for the summary
-    watch.stop()
+    watch = EngineWatch(loop.engines, hang_timeout_s=300)
+    for event in watch.poll():       # never waits: ActorDied("engine", i, "dead" | "hung")
+        controller.handle(event)     # decides (vgbs_ray/failure_policy.py), replaces it, records it
 
-Every `poll_s` each engine is asked `health()` (seconds its engine thread has spent on the current
-batch or load). `verdict` decides, pure: a call that failed because the actor is gone is a death;
-no answer for `hang_timeout_s`, or an answer that says one batch has run that long, is a hang. A
-dead or hung engine is replaced by `loop.replace_engine(index)` (a new actor on its bundle,
-loaded with the current policy version before it serves; jobs/closed_loop.py) while the run's
-`FailureBudget` allows (run.max_failures times per engine over the run). Its requests in flight
-went to the other engines already (actors/rollout_engine.py, `EngineClient`); with none left,
-producers wait for the replacement.
-
-Past the budget, or when a replacement does not start, `failure` says which engine died and why;
-the job stops with it instead of ending early on what was buffered.
+At most every `poll_s` each engine is asked `health()` (seconds its engine thread has spent on the
+current batch or load). `verdict` decides, pure: a call that failed because the actor is gone is a
+death; no answer for `hang_timeout_s`, or an answer that says one batch has run that long, is a hang.
+The watch only observes: the controller replaces the engine (`ClosedLoop.replace_engine`: a new actor on
+its bundle, loaded with the current policy version before it serves) while the run's failure budget
+allows, and stops the run past it. Requests in flight on a dead engine went to the other engines already
+(actors/rollout_engine.py, `EngineClient`); with none left, producers wait for the replacement.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Literal
 
 import ray
 
 from actors.shutdown import actor_died
-from vgbs_ray.failure_policy import FailureAction, FailureBudget
+from vgbs_ray.failure_policy import ActorDied
 
 log = logging.getLogger("vgbs.job")
 
@@ -49,47 +41,37 @@ def verdict(*, answered: bool, died: bool, busy_for_s: float, waited_s: float, h
     return "hung" if waited_s > hang_timeout_s else "waiting"
 
 
-class EngineWatch(threading.Thread):
-    """See module docstring. `loop`: the job's ClosedLoop (its `engines` pool and `replace_engine`)."""
+class EngineWatch:
+    """See module docstring. `pool`: the job's RolloutEnginePool (a replacement shows as a new handle)."""
 
-    def __init__(self, loop, *, budget: FailureBudget, hang_timeout_s: float, poll_s: float = 1.0,
-                 on_replace=None):
-        super().__init__(name="engine-watch", daemon=True)
-        self._loop, self._budget, self._on_replace = loop, budget, on_replace
-        self._hang_timeout_s, self._poll_s = hang_timeout_s, poll_s
-        self._stopping = threading.Event()
-        self.failure: str | None = None
+    def __init__(self, pool, *, hang_timeout_s: float, poll_s: float = 1.0):
+        self._pool, self._hang_timeout_s, self._poll_s = pool, hang_timeout_s, poll_s
+        self._calls: list = [None] * len(pool.engines)  # (health ref, engine handle, when sent)
+        self._polled = 0.0
         self.replacements: list[dict] = []
-        self._began = time.monotonic()
+        """One record per replacement (the controller's), for the summary."""
+        self.began = time.monotonic()
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        self._stopping.set()
-        if self.is_alive():
-            self.join(timeout_s)
-
-    def run(self) -> None:
-        pool = self._loop.engines
-        calls: list = [None] * len(pool.engines)  # (health ref, engine handle, when sent)
-        while not self._stopping.wait(self._poll_s):
-            for index, engine in enumerate(pool.engines):
-                if calls[index] is None or calls[index][1] is not engine:
-                    calls[index] = (engine.health.remote(), engine, time.monotonic())
-                    continue
-                state = self._state(*calls[index])
-                if state == "waiting":
-                    continue
-                calls[index] = None
-                if state == "healthy":
-                    continue
-                if self._stopping.is_set():
-                    return
-                decision = self._budget.decide_replacement("engine", index, "died" if state == "dead" else "hung")
-                if decision.action is FailureAction.STOP:
-                    self.failure = f"rollout engine {pool.names[index]}: {decision.reason}"
-                    log.error("%s", self.failure)
-                    return
-                if not self._replace(index, state):
-                    return
+    def poll(self) -> list[ActorDied]:
+        """Engines found dead or hung since the last call (see module docstring); never waits."""
+        now = time.monotonic()
+        if now - self._polled < self._poll_s:
+            return []
+        self._polled = now
+        events = []
+        for index, engine in enumerate(self._pool.engines):
+            call = self._calls[index]
+            if call is None or call[1] is not engine:  # none yet, or the engine was replaced
+                self._calls[index] = (engine.health.remote(), engine, now)
+                continue
+            state = self._state(*call)
+            if state == "waiting":
+                continue
+            self._calls[index] = None
+            if state != "healthy":
+                log.warning("rollout engine %s %s", self._pool.names[index], state)
+                events.append(ActorDied("engine", index, state))
+        return events
 
     def _state(self, ref, engine, sent: float) -> Verdict:
         ready, _ = ray.wait([ref], timeout=0)
@@ -104,22 +86,3 @@ class EngineWatch(threading.Thread):
                 log.warning("engine health call failed: %r", error)
         return verdict(answered=True, died=died, busy_for_s=busy_for_s, waited_s=time.monotonic() - sent,
                        hang_timeout_s=self._hang_timeout_s)
-
-    def _replace(self, index: int, state: Verdict) -> bool:
-        name = self._loop.engines.names[index]
-        detected = time.monotonic()
-        log.warning("rollout engine %s %s; replacing it on its bundle", name, "died" if state == "dead" else "hung")
-        try:
-            version = self._loop.replace_engine(index)
-        except Exception as error:  # noqa: BLE001 - the job stops with it
-            self.failure = f"rollout engine {name} {state}; its replacement did not start: {error!r}"
-            log.error("%s", self.failure)
-            return False
-        record = {"engine": name, "cause": state, "at_s": round(detected - self._began, 2),
-                  "replace_s": round(time.monotonic() - detected, 2), "serves_from_version": version}
-        self.replacements.append(record)
-        if self._on_replace is not None:
-            self._on_replace("engine")
-        print(f"replaced rollout engine {name} ({state}) in {record['replace_s']:.1f} s; it serves from policy "
-              f"version {version}", flush=True)
-        return True

@@ -1,114 +1,78 @@
-"""The producers' watch: restarts a producer that died, and closes the input once every producer is done.
+"""The producers' watch: how each producer's `run` ended, as events for the job's controller.
 
-    watch = ProducerWatch(scheduler, loop.producers, restart=restart, budget=FailureBudget(max_failures=2))
-    watch.start()                 # a driver thread
-    ...
-    watch.stopping.set()          # the run ends: no restart from here on (stop_producers does it)
-    watch.outcome()               # how the producers ended, for the summary
+    watch = ProducerWatch(loop.producers)     # (actor, run ref) pairs, in producer-index order
+    for event in watch.poll():                # never waits: ActorDied("producer", i) or ProducerFailed(i)
+        controller.handle(event)              # decides (vgbs_ray/failure_policy.py) and acts
+    watch.track(i, new_run_ref)               # after the controller restarted producer i
+    watch.all_ended                           # every producer returned, failed or was given up
+    watch.outcome()                           # how the producers ended, for the summary
 
-Policy. A producer whose actor died (its `run` raised `RayActorError`: killed, OOM, node lost)
-is started again by `restart(index)` (the job's: from the cursor of the latest checkpoint, so
-its prompts from there are answered again under the same rollout ids; the scheduler skips or
-rejects what it already holds, so nothing is trained twice), while the run's `FailureBudget`
-allows (run.max_failures times per producer over the whole run; no budget: never). A producer that *failed* (its `run` raised: a dead engine, an agent module that does
-not import) is not restarted: it would fail again. Once every producer returned, was stopped
-or is given up, `end_of_input` tells the scheduler no more input comes.
-
-Each restart is a line in the job log and a record in `outcome()["restarts"]`.
+The watch only observes: it holds no scheduler, restarts nothing and runs no thread; the controller
+polls it from the driver's step loop (also while a step waits for its shard). A producer whose actor
+died (`RayActorError`: killed, OOM, node lost) is posted as `ActorDied`; one whose `run` raised (a dead
+engine, an agent module that does not import) as `ProducerFailed`; a `run` that returned leaves its
+report here.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from typing import Callable
 
 import ray
 
 from actors.shutdown import actor_died, terminate
-from vgbs_ray.failure_policy import FailureAction, FailureBudget
+from vgbs_ray.failure_policy import ActorDied, ProducerFailed
 
 log = logging.getLogger("vgbs.job")
 
-_POLL_S = 1.0
 
+class ProducerWatch:
+    """See module docstring."""
 
-class ProducerWatch(threading.Thread):
-    """See module docstring. `producers`: the job's (actor, run ref) list, in producer-index order; a restart
-    replaces an entry (`restart` does)."""
-
-    def __init__(self, scheduler, producers: list, *, restart: Callable[[int], tuple] | None = None,
-                 budget: FailureBudget | None = None, timeout_s: float = 60.0,
-                 on_restart: Callable[[], None] | None = None):
-        super().__init__(name="producer-watch", daemon=True)
-        self._scheduler, self._producers, self._timeout_s = scheduler, producers, timeout_s
-        self._on_restart = on_restart
-        self._restart, self._budget = restart, budget
-        self.stopping = threading.Event()
+    def __init__(self, producers: list):
+        self._running = {index: ref for index, (_, ref) in enumerate(producers)}
         self.reports: list = []
         self.failed = 0
+        """Producers that failed or died and were not restarted."""
         self.restarts: list[dict] = []
         self.input_closed = False
-        self._began = time.monotonic()
+        self.close_tried = False
+        """Whether `close_input` asked the scheduler (once, even when it failed)."""
+        self.began = time.monotonic()
 
-    def run(self) -> None:
-        running = {index: ref for index, (_, ref) in enumerate(self._producers)}
-        while running:
-            index_of = {ref: index for index, ref in running.items()}
-            ready, _ = ray.wait(list(index_of), num_returns=1, timeout=_POLL_S)
-            if not ready:
-                continue
-            index = index_of[ready[0]]
-            del running[index]
+    def track(self, index: int, run_ref) -> None:
+        """Producer `index` runs again (restarted): watch its new `run`."""
+        self._running[index] = run_ref
+
+    @property
+    def all_ended(self) -> bool:
+        return not self._running
+
+    @property
+    def running_refs(self) -> list:
+        return list(self._running.values())
+
+    def poll(self) -> list:
+        """The producers that ended since the last call, as events (see module docstring); never waits."""
+        if not self._running:
+            return []
+        index_of = {ref: index for index, ref in self._running.items()}
+        ready, _ = ray.wait(list(index_of), num_returns=len(index_of), timeout=0)
+        events = []
+        for ref in ready:
+            index = index_of[ref]
+            del self._running[index]
             try:
-                self.reports.append(ray.get(ready[0]))
+                self.reports.append(ray.get(ref))
             except Exception as error:  # noqa: BLE001 - a failed producer ends its input; training goes on
-                if not actor_died(error):  # its `run` raised (e.g. the scheduler died): a failure, not a death
-                    self.failed += 1
+                if actor_died(error):
+                    log.warning("producer %d died: %r", index, error)
+                    events.append(ActorDied("producer", index))
+                else:  # its `run` raised (e.g. the scheduler died): a failure, not a death
                     log.error("producer %d failed: %r", index, error)
-                    continue
-                self._free_admitted(index)
-                if self._restart is None or self._budget is None or self.stopping.is_set():
-                    self.failed += 1
-                    log.error("producer %d died and is not restarted (the run is ending, or no restarts): %r",
-                              index, error)
-                    continue
-                decision = self._budget.decide_replacement("producer", index, "died")
-                if decision.action is FailureAction.STOP:
-                    self.failed += 1
-                    log.error("%s: %r", decision.reason, error)
-                    continue
-                started = time.monotonic()
-                try:
-                    actor, running[index] = self._restart(index)
-                except Exception as restart_error:  # noqa: BLE001 - e.g. the scheduler is gone too
-                    self.failed += 1
-                    log.error("producer %d died; its restart failed: %r", index, restart_error)
-                    continue
-                if self.stopping.is_set():  # the run ended while it restarted: stop_producers did not see it
-                    actor.stop.remote()
-                record = {"producer": index, "at_s": round(started - self._began, 2),
-                          "restart_s": round(time.monotonic() - started, 2), "cause": type(error).__name__}
-                self.restarts.append(record)
-                if self._on_restart is not None:
-                    self._on_restart()
-                log.warning("producer %d died (%s); restarted from the latest checkpoint's cursor in %.1f s", index,
-                            record["cause"], record["restart_s"])
-        try:
-            ray.get(self._scheduler.end_of_input.remote(), timeout=self._timeout_s)
-            self.input_closed = True
-        except ray.exceptions.RayActorError:
-            log.error("end of input not recorded: the scheduler is gone")
-        except Exception as error:  # noqa: BLE001 - reported; the driver decides the run's outcome
-            log.error("end of input failed: %r", error)
-
-    def _free_admitted(self, index: int) -> None:
-        """No step may wait for what the dead producer had in flight (its restart admits it again)."""
-        try:
-            ray.get(self._scheduler.producer_lost.remote(index), timeout=self._timeout_s)
-        except Exception as error:  # noqa: BLE001 - the scheduler is gone too: the job restores it
-            log.error("producer %d died; the scheduler did not take it: %r", index, error)
+                    events.append(ProducerFailed(index))
+        return events
 
     def outcome(self) -> dict:
         return {"finished": sum(not r.stopped for r in self.reports), "stopped": sum(r.stopped for r in self.reports),
@@ -116,16 +80,47 @@ class ProducerWatch(threading.Thread):
                 "input_closed": self.input_closed, "restarts": list(self.restarts)}
 
 
-def stop_producers(producers: list, watch: ProducerWatch | None, timeout_s: float = 60.0) -> None:
-    """The end of a run, producers first: no more restarts, ask each to stop (abandoned rollouts end
-    incomplete at end of input), then wait for their input to be closed, so none pushes into a dead
-    scheduler."""
-    if watch is not None:
-        watch.stopping.set()
+def free_admitted(scheduler, index: int, timeout_s: float = 60.0) -> None:
+    """Producer `index` died: no step may wait for what it had in flight (a restart admits it again)."""
+    try:
+        ray.get(scheduler.producer_lost.remote(index), timeout=timeout_s)
+    except Exception as error:  # noqa: BLE001 - the scheduler is gone too: the controller restores it
+        log.error("producer %d died; the scheduler did not take it: %r", index, error)
+
+
+def give_up(watch: ProducerWatch, scheduler, event, reason: str) -> None:
+    """Producer `event.index` ends for good (counted failed): what a dead one had in flight is freed."""
+    if isinstance(event, ActorDied):
+        free_admitted(scheduler, event.index)
+    watch.failed += 1
+    log.error("producer %d is not restarted: %s", event.index, reason)
+
+
+def close_input(scheduler, watch: ProducerWatch, timeout_s: float = 60.0) -> None:
+    """Once every producer ended: tell the scheduler no more input comes (once)."""
+    if watch.close_tried or not watch.all_ended:
+        return
+    watch.close_tried = True
+    try:
+        ray.get(scheduler.end_of_input.remote(), timeout=timeout_s)
+        watch.input_closed = True
+    except ray.exceptions.RayActorError:
+        log.error("end of input not recorded: the scheduler is gone")
+    except Exception as error:  # noqa: BLE001 - reported; the driver decides the run's outcome
+        log.error("end of input failed: %r", error)
+
+
+def stop_producers(producers: list, watch: ProducerWatch, scheduler, on_event, timeout_s: float = 60.0) -> None:
+    """The end of a run, producers first: ask each to stop (abandoned rollouts end incomplete at end of
+    input), wait for their `run`s to return, hand what the watch saw to `on_event` (the run is ending: none
+    is restarted), then close the input, so none pushes into a dead scheduler."""
     stops = [actor.stop.remote() for actor, _ in producers]
-    if watch is not None:
-        watch.join(timeout_s)
-        if watch.is_alive():
-            log.error("producers did not stop within %.0f s; ending the run anyway", timeout_s)
+    running = watch.running_refs
+    ready, _ = ray.wait(running, num_returns=len(running), timeout=timeout_s)
+    if len(ready) < len(running):
+        log.error("producers did not stop within %.0f s; ending the run anyway", timeout_s)
+    for event in watch.poll():
+        on_event(event)
+    close_input(scheduler, watch, timeout_s)
     ray.wait(stops, num_returns=len(stops), timeout=timeout_s)  # a stop() still running when killed fails
     terminate([actor for actor, _ in producers])  # idle now (their run and stop returned)

@@ -17,7 +17,7 @@ from jobs.progress import StepLine
 if TYPE_CHECKING:  # annotations only: reporting imports no actors
     from jobs.closed_loop import ClosedLoop
     from jobs.producer_watch import ProducerWatch
-    from jobs.recovery import TrainController
+    from jobs.controller import RunController
 
 
 def engine_summaries(usage) -> list[dict]:
@@ -70,7 +70,7 @@ def producers_outcome(watches: list[ProducerWatch]) -> dict:
             "restarts": [r for o in outcomes for r in o["restarts"]]}
 
 
-def summarize(stats, trained: list[StepLine], elapsed_s: float, controller: TrainController | None = None) -> dict:
+def summarize(stats, trained: list[StepLine], elapsed_s: float, controller: RunController | None = None) -> dict:
     """The run's summary: rollouts per step, what the ledger says became of every rollout, throughput,
     and each recovered failure (what it cost)."""
     rollouts = sum(line.num_rollouts for line in trained)
@@ -91,7 +91,7 @@ def summarize(stats, trained: list[StepLine], elapsed_s: float, controller: Trai
 
 
 def closed_loop_summary(trained: list[StepLine], reports: list, loop: ClosedLoop, *, stats=None,
-                        elapsed_s: float | None = None) -> dict:
+                        elapsed_s: float | None = None, engine_replacements: list | None = None) -> dict:
     """The closed loop's part of the summary: reward curve ends, staleness, sync times, producer counts,
     groups the agents lost by reason, the agents' own metrics (producer figures count this run's producers
     only: a resumed run's ledger figures include the earlier run, these do not), and how the overlap went
@@ -126,7 +126,7 @@ def closed_loop_summary(trained: list[StepLine], reports: list, loop: ClosedLoop
         "engines": engine_summaries(loop.engines.utilization()) if loop.engines is not None else [],
         "restored_versions": loop.restored_versions,
         "weight_channel_failures": loop.channel_failures,
-        "engine_replacements": list(loop.engine_watch.replacements) if loop.engine_watch is not None else [],
+        "engine_replacements": list(engine_replacements or []),
         "producers": counts,
         "failed_groups": failed,
         "agent_metrics": metric_means,

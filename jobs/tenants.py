@@ -46,13 +46,16 @@ from actors.train_group import TrainGroup, TrainStepError
 from jobs.checkpoint import (checkpoint_root, latest_checkpoint, load_resume_point, mark_latest, producer_cursors,
                              save_job_json, save_rollout_state, save_train_state)
 from jobs.closed_loop import ClosedLoop, engine_start_dir
-from jobs.producer_watch import ProducerWatch, stop_producers
+from jobs.producer_watch import ProducerWatch, close_input, give_up, stop_producers
 from jobs.progress import StepLine, StepRecorder
 from jobs.recovery import RECOVERABLE_ERRORS, JobFailedError, job_scheduler_config, retains_until_checkpoint
 from jobs.summary import closed_loop_summary, producers_outcome, step_line, summarize
-from vgbs_ray.failure_policy import FailureAction, FailureBudget, FailureKind
+from vgbs_ray.failure_policy import ActionKind, FailureKind, RecoveryDone, RunState, TrainFailed, decide
 
 log = logging.getLogger("vgbs.job")
+
+_POLL_S = 1.0
+"""How often the tenants' loop looks at their producers while it waits for a step (seconds)."""
 
 
 @dataclass
@@ -95,8 +98,8 @@ class TenantJob:
         self.restore_steps: dict[str, int] = {}
         """Each tenant's next step in that checkpoint: a recovery rewinds it there."""
         self.recoveries: list[dict] = []
-        self.budget = FailureBudget(config.run.max_failures)
-        """The run's failure budget (vgbs_ray/failure_policy.py), as in the single-policy job."""
+        self.state = RunState(config.run.max_failures)
+        """The run's state and failure budget (vgbs_ray/failure_policy.py), as in the single-policy job."""
 
     def build(self) -> None:
         config = self.config
@@ -126,8 +129,7 @@ class TenantJob:
         self.resumed = resume_from is not None
         for tenant in self.tenants:  # its adapter (the base with the first) to the engines, then its producers run
             tenant.loop.start(tenant.config, self.group)
-            tenant.watch = ProducerWatch(tenant.scheduler, tenant.loop.producers)
-            tenant.watch.start()
+            tenant.watch = ProducerWatch(tenant.loop.producers)
             if "jsonl" in config.run.loggers:
                 tenant.recorder = StepRecorder(os.path.join(tenant.config.run.output_dir, "steps.jsonl"),
                                                append=self.resumed)
@@ -143,7 +145,8 @@ class TenantJob:
         trained = 0
         while pending:
             refs = list(pending.values())
-            ray.wait(refs, num_returns=1)
+            while not ray.wait(refs, num_returns=1, timeout=_POLL_S)[0]:
+                self._poll_producers()
             answered, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             name = round_robin_choice(order, {n for n, ref in pending.items() if ref in answered})
             order.remove(name)
@@ -173,6 +176,16 @@ class TenantJob:
                 tenant.outcome = "finished"
             _stop_producers(tenant)
         return self._summary(time.monotonic() - started)
+
+    def _poll_producers(self) -> None:
+        """Each tenant's producers as they end (one that dies or fails is not restarted here: it ends, the others
+        go on), and its input closed once they all ended."""
+        for tenant in self.tenants:
+            if tenant.watch is None:
+                continue
+            for event in tenant.watch.poll():
+                give_up(tenant.watch, tenant.scheduler, event, f"tenant {tenant.name}'s producers are not restarted")
+            close_input(tenant.scheduler, tenant.watch)
 
     def _checkpoint_or_recover(self, tenant: Tenant) -> bool:
         """A checkpoint; False when a train rank failed during it (a rank killed right after a step fails the next
@@ -207,9 +220,9 @@ class TenantJob:
         tenant's scheduler rewound to its step there (the rollouts trained since train again, exactly once), its
         engines' adapter back to that version. Raises JobFailedError when run.max_failures is spent."""
         kind = error.kind if isinstance(error, TrainStepError) else FailureKind.TIMEOUT
-        decision = self.budget.decide_train_failure(kind)
-        if decision.action is FailureAction.STOP:
-            raise JobFailedError(f"tenant {failed.name}, step {failed.next_step}: {error}; {decision.reason}") from error
+        self.state, action = decide(self.state, TrainFailed(kind))
+        if action.kind is ActionKind.STOP:
+            raise JobFailedError(f"tenant {failed.name}, step {failed.next_step}: {error}; {action.reason}") from error
         started = time.monotonic()
         log.warning("tenant %s, step %d failed (%s): %s; restarting the train group", failed.name, failed.next_step,
                     kind.value, error)
@@ -228,6 +241,7 @@ class TenantJob:
         self.recoveries.append({"kind": kind.value, "tenant": failed.name, "steps_redone": redone,
                                 "restored_from": self.restore_path, "time_to_recover_s":
                                 round(time.monotonic() - started, 2)})
+        self.state, _ = decide(self.state, RecoveryDone())
         print(f"recovered from {kind.value} in tenant {failed.name}'s step: a new train group from "
               f"{self.restore_path or 'the initial weights'}, steps redone {redone}", flush=True)
 
@@ -351,7 +365,10 @@ def tenant_checkpoint(path: str, name: str) -> str:
 def _stop_producers(tenant: Tenant, timeout_s: float = 60.0) -> None:
     """The tenant's producers stop (once) and its input is closed; the other tenants' go on."""
     if tenant.loop.producers:
-        stop_producers(tenant.loop.producers, tenant.watch, timeout_s=timeout_s)
+        def ended(event) -> None:
+            give_up(tenant.watch, tenant.scheduler, event, "it ended while the producers stopped")
+
+        stop_producers(tenant.loop.producers, tenant.watch, tenant.scheduler, ended, timeout_s=timeout_s)
         tenant.loop.producers.clear()
 
 

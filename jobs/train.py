@@ -35,21 +35,17 @@ import time
 
 import ray
 
-from actors.scheduler_actor import create_scheduler
-from actors.shutdown import start_named, terminate
 from jobs.checkpoint import latest_checkpoint, load_resume_point
-from jobs.closed_loop import ClosedLoop
+from jobs.controller import RunController
 from jobs.job_config import PRESETS, JobConfig, load_job_config, options_help
 from jobs.job_metrics import JobMetrics
 from jobs.metric_names import counters_from_stats, step_values
-from jobs.producer_watch import ProducerWatch, stop_producers
 from jobs.progress import StepLine, StepRecorder, plot_records, read_records
 from jobs.summary import closed_loop_summary, input_failure, producers_outcome, step_line, summarize
-from jobs.recovery import RECOVERABLE_ERRORS, JobFailedError, TrainController, job_scheduler_config
+from jobs.recovery import RECOVERABLE_ERRORS, JobFailedError, job_scheduler_config
 from jobs.tracking import Tracker
 from vgbs_ray.checkpoint_files import tokenizer_size
 from vgbs_ray.errors import ConfigError
-from vgbs_ray.failure_policy import FailureBudget
 
 log = logging.getLogger("vgbs.job")
 
@@ -154,30 +150,19 @@ def train(config: JobConfig, records_path: str, on_event=None) -> dict:
 class Job:
     """One run: build, run, close (torchtitan's shape).
 
-    build: the scheduler (restored when resuming), the train group (jobs/recovery.py owns it across
-    restarts), the rollout source (jobs/closed_loop.py: engines with their watch, producers) and the
-    producers' watch. run: the step loop (`run_steps`), then, in this order, producers stop and the
-    input is closed, what never trained is dropped (run_ended), the ledger is checked; returns the
-    summary. close: the train group, the engines and the scheduler go, also after a failure.
-
-    Recovery is in the job: a dead train rank restarts the group (TrainController), a dead
-    producer is restarted (ProducerWatch), a dead or hung engine is replaced (EngineWatch), and a
-    lost scheduler is restored from the latest checkpoint (`restore_scheduler`, called by the
-    controller). One `FailureBudget` (vgbs_ray/failure_policy.py) decides for all of them: train-group
-    and scheduler failures share `run.max_failures`; each producer and each engine may be replaced
-    `run.max_failures` times over the whole run.
+    build: the run's controller (jobs/controller.py) builds the scheduler (restored when resuming), the
+    rollout source (jobs/closed_loop.py: engines, producers) and the train group, and owns them from then on,
+    with every recovery. run: the step loop (`run_steps`), then, in this order, producers stop and the input is
+    closed, what never trained is dropped (run_ended), the ledger is checked; returns the summary. close:
+    everything the controller started goes, also after a failure.
     """
 
     def __init__(self, config: JobConfig, records_path: str, on_event=None):
         config = resolve_loss(config)
         self.config, self.records_path, self.on_event = config, records_path, on_event
-        self.scheduler_config = job_scheduler_config(config)
         self.metrics = JobMetrics(config.run.output_dir)
-        self.budget = FailureBudget(config.run.max_failures)
-        """The run's one failure budget: the train controller and the producers' and engines' watches share it."""
-        self.scheduler = self.controller = self.loop = self.watch = self.tracker = None
-        self.finished_watches: list[ProducerWatch] = []  # producer watches of schedulers that were lost
-        self._cursors_after_restore: list | None = None  # the checkpoint's cursors a restored scheduler's producers take
+        self.controller = RunController(config, job_scheduler_config(config), on_recovery=self.metrics.on_recovery)
+        self.tracker = None
         self.first_step = 0
 
     # -- build ------------------------------------------------------------------------------
@@ -186,70 +171,29 @@ class Job:
         config, out = self.config, self.config.run.output_dir
         resume_from = latest_checkpoint(out) if config.run.resume else None
         resume = load_resume_point(resume_from) if resume_from is not None else None
-        # A resume restores the scheduler (global step numbers continue at the checkpoint's step, settled
-        # rollout ids stay known, untrained ones train first) and starts producers at their cursors.
-        self.scheduler = create_scheduler(self.scheduler_config, restore=resume.scheduler_state if resume else None)
         self.first_step = resume.next_step if resume is not None else 0
         self.resumed = resume_from is not None
         # run.loggers' trackers (TensorBoard, W&B, MLflow): open off this thread, the config logged once.
         self.tracker = Tracker.start(config, first_step=self.first_step, resumed=resume is not None)
-        # The engines' and producers' processes start now (their start-up overlaps the train group's); the
-        # engines serve once the group's weights (version = steps trained so far) reached them, and the
-        # producers run then, from their saved cursors on a resume.
-        cursors = resume.cursors if resume is not None else None
-        self.loop = ClosedLoop.launch(config, self.scheduler, policy_version=self.first_step, cursors=cursors)
-        self.controller = TrainController(config, self.scheduler, first_step=self.first_step, restore_from=resume_from,
-                                          restore_scheduler=self.restore_scheduler,
-                                          on_recovery=self.metrics.on_recovery, budget=self.budget)
-        self.controller.start()
+        # A resume restores the scheduler (global step numbers continue at the checkpoint's step, settled rollout
+        # ids stay known, untrained ones train first) and starts producers at their cursors. The engines' and
+        # producers' processes start while the train group does; the engines serve once the group's weights
+        # (version = steps trained so far) reached them, and the producers run then.
+        started = time.monotonic()
+        self.controller.build(resume_from, resume)
         if resume is not None:
             print(f"resumed from {resume_from} at step {self.first_step} (policy version {resume.policy_version}, "
                   f"{resume.scheduler_state.num_live_rollouts} untrained rollouts restored)", flush=True)
-        started = time.monotonic()
-        self.loop.start(config, self.controller.group, on_recovery=self.metrics.on_recovery, budget=self.budget)
-        if self.loop.kv_cache_tokens is not None:  # admission_token_budget=engines: a restored scheduler's too
-            self.scheduler_config = dataclasses.replace(self.scheduler_config,
-                                                        admission_token_budget=self.loop.kv_cache_tokens)
-        self.controller.attach_producers(self.loop.producers, cursors)
+        loop = self.controller.loop
         engines = (f"{config.closed_loop.engines.num_engines} rollout engine(s) at policy version {self.first_step}"
-                   if self.loop.engines is not None else "no rollout engines")
-        print(f"rollouts: {engines}, {len(self.loop.producers)} producers of {config.closed_loop.agent} "
-              f"({time.monotonic() - started:.1f} s)", flush=True)
-        self._watch_producers()
-
-    def _watch_producers(self) -> None:
-        """A producer that dies restarts from the latest checkpoint's cursor (jobs/producer_watch.py)."""
-        self.watch = ProducerWatch(self.scheduler, self.loop.producers, budget=self.budget,
-                                   restart=lambda index: self.loop.restart_producer(index, self.controller.cursor_of(index)),
-                                   on_restart=lambda: self.metrics.on_recovery("producer"))
-        self.watch.start()
-
-    def restore_scheduler(self, checkpoint: str | None) -> tuple:
-        """The scheduler died: stop the producers (they pushed to it), start a new one from `checkpoint`'s
-        state (None: before the first checkpoint, an empty one: the run starts over); returns it and the
-        untrained rollouts it holds. The producers start again from that checkpoint's cursors once the new
-        train group is up (`run_steps`)."""
-        stop_producers(self.loop.producers, self.watch, timeout_s=30)
-        self.finished_watches.append(self.watch)
-        self.loop.producers.clear()
-        terminate([self.scheduler])  # frees its name
-        resume = load_resume_point(checkpoint) if checkpoint is not None else None
-        self.scheduler = start_named(lambda: create_scheduler(self.scheduler_config,
-                                                              restore=resume.scheduler_state if resume else None))
-        self._cursors_after_restore = resume.cursors if resume is not None else None
-        return self.scheduler, resume.scheduler_state.num_live_rollouts if resume is not None else 0
-
-    def _restart_producers(self) -> None:
-        """After a scheduler restore: every producer again, on the new scheduler, from the checkpoint's cursors."""
-        cursors = self._cursors_after_restore
-        self.loop.restart_producers(self.scheduler, cursors)
-        self.controller.attach_producers(self.loop.producers, cursors)
-        self._watch_producers()
+                   if loop.engines is not None else "no rollout engines")
+        print(f"rollouts: {engines}, {len(loop.producers)} producers of {config.closed_loop.agent} "
+              f"({time.monotonic() - started:.1f} s to start them and the train group)", flush=True)
 
     # -- run --------------------------------------------------------------------------------
 
     def run(self) -> dict:
-        config = self.config
+        config, controller = self.config, self.controller
         start = time.monotonic()
         recorder = StepRecorder(self.records_path, append=self.resumed) if "jsonl" in config.run.loggers else None
         try:
@@ -258,27 +202,23 @@ class Job:
             if recorder is not None:
                 recorder.close()
         elapsed = time.monotonic() - start
-        stop_producers(self.loop.producers, self.watch)
-        self.loop.producers.clear()  # stopped and ended once
+        controller.stop_producers()
+        scheduler = controller.scheduler
         # Steps emitted past the last trained one (run.num_steps reached) never train: dropped as run_ended.
-        ray.get(self.scheduler.drop_untrained.remote(self.first_step + len(trained)), timeout=60)
-        stats = ray.get(self.scheduler.stats.remote(check_ledger=True), timeout=60)
-        watches = [*self.finished_watches, self.watch]
-        summary = {**summarize(stats, trained, elapsed, self.controller), "producers": producers_outcome(watches)}
+        ray.get(scheduler.drop_untrained.remote(self.first_step + len(trained)), timeout=60)
+        stats = ray.get(scheduler.stats.remote(check_ledger=True), timeout=60)
+        watches = controller.producer_watches
+        summary = {**summarize(stats, trained, elapsed, controller), "producers": producers_outcome(watches)}
         reports = [report for watch in watches for report in watch.reports]
-        if self.loop.engines is not None:
-            summary["closed_loop"] = closed_loop_summary(trained, reports, self.loop, stats=stats, elapsed_s=elapsed)
-        self.tracker.finish(trained, summary, counters_from_stats(stats, self.recovery_count()))
+        if controller.loop.engines is not None:
+            summary["closed_loop"] = closed_loop_summary(
+                trained, reports, controller.loop, stats=stats, elapsed_s=elapsed,
+                engine_replacements=controller.engine_watch.replacements)
+        self.tracker.finish(trained, summary, counters_from_stats(stats, controller.recovery_count()))
         self.tracker.close()
         if self.tracker.active:
             summary["loggers"] = self.tracker.status()
         return summary
-
-    def recovery_count(self) -> int:
-        """Every actor the job recovered so far: train groups, schedulers, producers, engines."""
-        watches = [*self.finished_watches, *([self.watch] if self.watch is not None else [])]
-        engines = len(self.loop.engine_watch.replacements) if self.loop and self.loop.engine_watch else 0
-        return len(self.controller.recoveries) + sum(len(w.restarts) for w in watches) + engines
 
     def run_steps(self, recorder: StepRecorder | None) -> list[StepLine]:
         """Train up to run.num_steps steps, or until the input ends; returns the line of each step in
@@ -288,26 +228,26 @@ class Job:
         version k + 1 and the engines load them without the trainer waiting; after a recovery the
         restored weights are published as the restored step's version.
 
-        A train-group or scheduler failure is recovered (jobs/recovery.py): the steps after the latest
+        A train-group or scheduler failure is recovered by the controller: the steps after the latest
         checkpoint train again, their lines replaced by the replay's (the records file keeps both, in
         time order). Steps are global: a resumed run's scheduler, records and checkpoints continue at
-        `controller.first_step`, and run.num_steps counts the whole run's steps (a resumed run stops
-        where the uninterrupted one would). The run ends with a checkpoint. Engines the watch could
-        not keep stop the run (JobFailedError naming them), never a quietly shorter one.
+        its checkpoint's step, and run.num_steps counts the whole run's steps (a resumed run stops
+        where the uninterrupted one would). The run ends with a checkpoint. A run the controller could
+        not keep going (an engine past its budget) stops with JobFailedError, never a quietly shorter one.
         """
         run, controller = self.config.run, self.controller
         lines: dict[int, StepLine] = {}
         step = self.first_step
         while True:
             try:
-                self._check_engines()
+                controller.poll()
                 if step < run.num_steps:
                     line = self.train_step(step, recorder)
                     if line is not None:
                         lines[step] = line
                         step += 1
                         continue
-                    self._check_engines()
+                    controller.poll()
                     print(f"input ended after {step - self.first_step} steps", flush=True)
                     if step != self.first_step:  # again even at a cadence step: rollouts dropped at the end belong in it
                         controller.checkpoint(step)
@@ -315,27 +255,22 @@ class Job:
                     controller.checkpoint(step)
                 return [lines[s] for s in sorted(lines)]
             except RECOVERABLE_ERRORS as error:
-                recovery = controller.recover(error, step)
-                step = recovery.restored_step
+                step = controller.recover(error, step).restored_step
                 for undone in [s for s in lines if s >= step]:
                     del lines[undone]
-                if recovery.restored_scheduler:  # the producers again, on the new one
-                    self._restart_producers()
-                self.loop.restore(controller.group, step)  # the engines go back to the restored weights
 
     def train_step(self, step: int, recorder: StepRecorder | None) -> StepLine | None:
         """Train `step`, publish its weights, report it, checkpoint at the cadence; None when the input ended."""
         run, controller, on_event = self.config.run, self.controller, self.on_event
         if on_event is not None:
             on_event("step_started", step, controller)
-        group = controller.group
-        result = group.train_step(step, self.scheduler, shard_timeout_s=run.shard_timeout_s,
-                                  while_waiting=lambda: self.loop.catch_up(group))
+        result = controller.group.train_step(step, controller.scheduler, shard_timeout_s=run.shard_timeout_s,
+                                             while_waiting=controller.poll)
         if result is None:
             return None
-        record = ray.get(self.scheduler.step_record.remote(step), timeout=60)
+        record = ray.get(controller.scheduler.step_record.remote(step), timeout=60)
         line = step_line(result, record)
-        loop = self.loop
+        loop = controller.loop
         if loop.engines is not None:
             sync_s = loop.publish(controller.group, step + 1)
             line = dataclasses.replace(
@@ -354,14 +289,9 @@ class Job:
             controller.checkpoint(step + 1)
         # Hands over the steps a checkpoint now holds to the trackers (off this thread).
         self.tracker.on_step(line, final_before=controller.checkpointed_step,
-                             counters=counters_from_stats(controller.last_stats, self.recovery_count())
+                             counters=counters_from_stats(controller.last_stats, controller.recovery_count())
                              if controller.last_stats is not None else None)
         return line
-
-    def _check_engines(self) -> None:
-        failure = self.loop.failure()
-        if failure is not None:
-            raise JobFailedError(f"the rollout engines could not be kept: {failure}")
 
     # -- close ------------------------------------------------------------------------------
 
@@ -369,18 +299,7 @@ class Job:
         """Everything this job started goes, producers first (also after a failure; safe to call twice)."""
         if self.tracker is not None:  # a failed run: what is final so far stays logged, the runs marked failed
             self.tracker.close(failed=True)
-        if self.loop is not None and self.loop.producers:  # a failed run: stop them before the scheduler goes
-            stop_producers(self.loop.producers, self.watch, timeout_s=10)
-        if self.loop is not None:
-            self.loop.shutdown()
-        if self.controller is not None:
-            self.controller.shutdown()
-        if self.scheduler is not None:
-            try:
-                ray.get(self.scheduler.close.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - best effort on the way out
-                pass
-            terminate([self.scheduler])
+        self.controller.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,12 @@
 """The job's failure policy: after a failure, restart the train group, restore the scheduler, or stop the run.
 
-Ray Train v2's shape: the policy decides (`make_decision(status, max_failures)`), the job's
-controller acts (tear the group down, start a new one, restore the latest checkpoint,
-rewind the scheduler). Pure: no Ray, no clock; tested without either.
+Ray Train v2's shape: the job's one controller (jobs/controller.py) holds every handle and acts;
+this module decides. Watches only post events (`TrainFailed`, `ActorDied`, `ProducerFailed`, ...);
+`decide(state, event) -> (next state, action)` answers each one from the typed `RunState` (its
+`RunPhase` and the failure budget spent so far). Pure: no Ray, no clock, no thread; tested without
+any of them.
 
-Rules, in order:
+Rules for a train-group or scheduler failure (`make_decision`), in order:
 1. A failure a new train group cannot cure stops the run at once, whatever the budget: the
    scheduler has no shard to give (input starved, or the scheduler failed inside).
 2. A lost scheduler counts against `max_failures` and, within it, is restored in the job from
@@ -19,17 +21,14 @@ Rules, in order:
 Invariant: a decision to restart or restore implies `failures_before < max_failures` and a
 recoverable kind (RECOVERABLE, or SCHEDULER_LOST for a restore).
 
-`FailureBudget` is the run's one budget, shared by every owner of a recovery (the train controller, the
-producers' watch, the engines' watch): train-group and scheduler failures count together, each producer
-and each engine counts its own replacements, all against `run.max_failures`, for the whole run (a watch
-started again after a scheduler restore keeps the counts).
+The budget is one, in `RunState`: train-group and scheduler failures count together, each producer
+and each engine counts its own replacements, all against `run.max_failures`, for the whole run.
 """
 
 from __future__ import annotations
 
 import enum
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 from vgbs_ray.errors import ConfigError
 
@@ -113,41 +112,196 @@ REPLACEABLE_ACTORS = ("producer", "engine")
 rollout engine (on its bundle, serving from the newest version)."""
 
 
-@dataclass
-class FailureBudget:
-    """The run's failure budget (see module docstring): `decide_*` answer and count a recovery; thread-safe (the
-    watches decide on their own threads)."""
+# -- the run's controller: typed states, events, actions, and `decide` --------------------------------------------
+
+
+class RunPhase(str, enum.Enum):
+    """What the job's controller (jobs/controller.py) is doing."""
+
+    RUNNING = "running"
+    RECOVERING_TRAIN_GROUP = "recovering_train_group"
+    RESTORING_SCHEDULER = "restoring_scheduler"
+    REPLACING_ENGINE = "replacing_engine"
+    RESTARTING_PRODUCER = "restarting_producer"
+    FINISHED = "finished"
+    """The run is ending (its producers are stopping): a producer or engine that dies now is not replaced."""
+    FAILED = "failed"
+    """The run stopped on a failure (`RunState.failure` says why); nothing is recovered any more."""
+
+
+@dataclass(frozen=True)
+class TrainFailed:
+    """The step loop: a train step or checkpoint failed (`kind`: what `classify_failure` found it to be), or a
+    recovery's new group did not start (START_FAILED), or the scheduler is gone (SCHEDULER_LOST)."""
+
+    kind: FailureKind
+
+
+@dataclass(frozen=True)
+class ActorDied:
+    """A watch: producer or engine `index` died (its actor is gone) or, for an engine, hung."""
+
+    actor: str
+    index: int
+    cause: str = "died"
+
+
+@dataclass(frozen=True)
+class ProducerFailed:
+    """The producers' watch: producer `index`'s `run` raised (a dead engine, an agent that does not import): it
+    would fail again, so it is not restarted."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class RecoveryDone:
+    """The controller: the action it was given is done; the run goes on."""
+
+
+@dataclass(frozen=True)
+class ReplacementFailed:
+    """The controller: producer or engine `index`'s replacement did not start (`error`)."""
+
+    actor: str
+    index: int
+    error: str
+
+
+@dataclass(frozen=True)
+class RunEnding:
+    """The step loop is done: the producers stop next."""
+
+
+Event = TrainFailed | ActorDied | ProducerFailed | RecoveryDone | ReplacementFailed | RunEnding
+
+
+class ActionKind(str, enum.Enum):
+    NONE = "none"
+    RESTART_TRAIN_GROUP = "restart_train_group"
+    """Tear the train group down, start a new one from the latest checkpoint, rewind the scheduler to it."""
+    RESTORE_SCHEDULER = "restore_scheduler"
+    """A new scheduler from the latest checkpoint, a new train group from it, every producer again from its cursor."""
+    RESTART_PRODUCER = "restart_producer"
+    """Producer `index` again, from its cursor at the latest checkpoint."""
+    GIVE_UP_PRODUCER = "give_up_producer"
+    """Producer `index` ends (counted as failed); the others go on, and the input closes once all have ended."""
+    REPLACE_ENGINE = "replace_engine"
+    """Engine `index` again, on its bundle, serving from the newest policy version."""
+    STOP = "stop"
+    """Stop the run with `reason`."""
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    reason: str = ""
+    """One sentence for the log and the error: why, and what setting changes it."""
+    index: int | None = None
+    """The producer or engine acted on."""
+
+
+@dataclass(frozen=True)
+class RunState:
+    """The controller's state: its phase and the run's failure budget as spent so far. Immutable: `decide`
+    returns the next one.
+
+    Budget: train-group and scheduler failures share one count (`train_failures`); each producer and each
+    engine counts its own replacements (`replacements`); all against `max_failures` (run.max_failures), for the
+    whole run (a scheduler restore keeps the counts)."""
 
     max_failures: int
+    phase: RunPhase = RunPhase.RUNNING
     train_failures: int = 0
-    """Train-group and scheduler failures recovered so far (they share one count)."""
-    replacements: dict = field(default_factory=dict)
-    """(actor kind, index) -> times that actor was replaced."""
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    """Train-group and scheduler failures recovered so far."""
+    replacements: tuple = ()
+    """((actor, index), times replaced) pairs, sorted."""
+    failure: str | None = None
+    """Why the run stopped (phase FAILED)."""
 
     def __post_init__(self):
         if not isinstance(self.max_failures, int) or self.max_failures < 0:
             raise ConfigError(f"run.max_failures must be an integer >= 0, got {self.max_failures!r}")
+        if not isinstance(self.phase, RunPhase):
+            raise ConfigError(f"RunState.phase must be a RunPhase, got {self.phase!r}")
 
-    def decide_train_failure(self, kind: FailureKind) -> FailureDecision:
-        """After a train-group or scheduler failure: `make_decision` on the shared count, counted when it recovers."""
-        with self._lock:
-            decision = make_decision(FailureStatus(kind=kind, failures_before=self.train_failures), self.max_failures)
-            if decision.action is not FailureAction.STOP:
-                self.train_failures += 1
-            return decision
+    def replaced(self, actor: str, index: int) -> int:
+        """Times producer or engine `index` was replaced so far."""
+        return dict(self.replacements).get((actor, index), 0)
 
-    def decide_replacement(self, actor: str, index: int, cause: str) -> FailureDecision:
-        """After producer or engine `index` died or hung (`cause`): RESTART (counted) while it was replaced fewer
-        than `max_failures` times, else STOP naming the count and the key."""
-        if actor not in REPLACEABLE_ACTORS:
-            raise ConfigError(f"FailureBudget: actor must be one of {REPLACEABLE_ACTORS}, got {actor!r}")
-        with self._lock:
-            before = self.replacements.get((actor, index), 0)
-            if before >= self.max_failures:
-                return FailureDecision(FailureAction.STOP, f"{actor} {index} {cause} and was replaced {before} times "
-                                       f"already (run.max_failures={self.max_failures}); raise run.max_failures "
-                                       "to replace it again")
-            self.replacements[(actor, index)] = before + 1
-            return FailureDecision(FailureAction.RESTART, f"{actor} {index} {cause}: replacement {before + 1} of at "
-                                   f"most {self.max_failures}")
+    def _with_replacement(self, actor: str, index: int, phase: RunPhase) -> "RunState":
+        counts = dict(self.replacements)
+        counts[(actor, index)] = counts.get((actor, index), 0) + 1
+        return replace(self, phase=phase, replacements=tuple(sorted(counts.items())))
+
+
+_PRODUCERS_STOPPING = frozenset({RunPhase.FINISHED, RunPhase.RESTORING_SCHEDULER})
+"""Phases in which the producers are being stopped (the run ends, or they restart on a restored scheduler)."""
+_REPLACING = {"producer": RunPhase.RESTARTING_PRODUCER, "engine": RunPhase.REPLACING_ENGINE}
+
+
+def decide(state: RunState, event: Event) -> tuple[RunState, Action]:
+    """The controller's one decision: after `event` in `state`, the next state and the action to take. Pure, O(1).
+
+    Rules:
+    - FAILED is final: every event is answered with NONE.
+    - `TrainFailed`: `make_decision` on the shared count (restart the group, restore the scheduler, or stop).
+    - `ActorDied`: a producer or engine is replaced while it was replaced fewer than `max_failures` times; past
+      that a producer is given up (the run goes on with the others) and an engine stops the run (its requests
+      would wait forever on the others' capacity and a shorter run would pass for a finished one). While the
+      producers stop (the run is ending, or a restored scheduler gets new ones) a producer that dies is given
+      up; once the run is ending (FINISHED) an engine is left alone.
+    - `ProducerFailed`: given up (it would fail again).
+    - `ReplacementFailed`: an engine's stops the run; a producer's gives it up.
+    - `RecoveryDone` returns to RUNNING (or stays FINISHED); `RunEnding` goes to FINISHED.
+    """
+    if state.phase is RunPhase.FAILED:
+        return state, Action(ActionKind.NONE, "the run already stopped")
+
+    def stop(reason: str) -> tuple[RunState, Action]:
+        return replace(state, phase=RunPhase.FAILED, failure=reason), Action(ActionKind.STOP, reason)
+
+    if isinstance(event, TrainFailed):
+        decision = make_decision(FailureStatus(kind=event.kind, failures_before=state.train_failures),
+                                 state.max_failures)
+        if decision.action is FailureAction.STOP:
+            return stop(decision.reason)
+        restore = decision.action is FailureAction.RESTORE
+        phase = RunPhase.RESTORING_SCHEDULER if restore else RunPhase.RECOVERING_TRAIN_GROUP
+        return (replace(state, phase=phase, train_failures=state.train_failures + 1),
+                Action(ActionKind.RESTORE_SCHEDULER if restore else ActionKind.RESTART_TRAIN_GROUP, decision.reason))
+    if isinstance(event, ActorDied):
+        if event.actor not in REPLACEABLE_ACTORS:
+            raise ConfigError(f"ActorDied.actor must be one of {REPLACEABLE_ACTORS}, got {event.actor!r}")
+        what = f"{event.actor} {event.index} {event.cause}"
+        if state.phase in _PRODUCERS_STOPPING and event.actor == "producer":
+            return state, Action(ActionKind.GIVE_UP_PRODUCER, f"{what} while the producers stop", event.index)
+        if state.phase is RunPhase.FINISHED:
+            return state, Action(ActionKind.NONE, f"{what} while the run ends")
+        before = state.replaced(event.actor, event.index)
+        if before >= state.max_failures:
+            reason = (f"{what} and was replaced {before} times already (run.max_failures={state.max_failures}); "
+                      "raise run.max_failures to replace it again")
+            if event.actor == "producer":
+                return state, Action(ActionKind.GIVE_UP_PRODUCER, reason, event.index)
+            return stop(reason)
+        kind = ActionKind.RESTART_PRODUCER if event.actor == "producer" else ActionKind.REPLACE_ENGINE
+        return (state._with_replacement(event.actor, event.index, _REPLACING[event.actor]),
+                Action(kind, f"{what}: replacement {before + 1} of at most {state.max_failures}", event.index))
+    if isinstance(event, ProducerFailed):
+        return state, Action(ActionKind.GIVE_UP_PRODUCER, f"producer {event.index} failed (it would fail again)",
+                             event.index)
+    if isinstance(event, ReplacementFailed):
+        reason = f"{event.actor} {event.index}'s replacement did not start: {event.error}"
+        if event.actor == "engine":
+            return stop(reason)
+        return replace(state, phase=_after_recovery(state)), Action(ActionKind.GIVE_UP_PRODUCER, reason, event.index)
+    if isinstance(event, RecoveryDone):
+        return replace(state, phase=_after_recovery(state)), Action(ActionKind.NONE)
+    if isinstance(event, RunEnding):
+        return replace(state, phase=RunPhase.FINISHED), Action(ActionKind.NONE)
+    raise ConfigError(f"decide: not an event: {event!r}")
+
+
+def _after_recovery(state: RunState) -> RunPhase:
+    return RunPhase.FINISHED if state.phase is RunPhase.FINISHED else RunPhase.RUNNING
