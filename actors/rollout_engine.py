@@ -53,7 +53,7 @@ from actors.weight_sync import PublishedWeights, WeightLoad
 from vgbs_ray.agents.generation import Generation, RequestTooLongError, SamplingConfig
 from vgbs_ray.checkpoint_files import TOKENIZER_FILES, has_tokenizer, has_weights
 from vgbs_ray.errors import ConfigError, VgbsError
-from vgbs_ray.lora import LoraConfig, save_peft_adapter, split_sync_key
+from vgbs_ray.models.lora import LoraConfig, save_peft_adapter, split_sync_key
 
 # In-process vLLM without torch.compile (measured: start-up ~2 s, first logprobs call without a 14 s compile).
 _CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1"}

@@ -12,7 +12,7 @@ from typing import Sequence
 import ray
 
 from vgbs_ray.errors import ConfigError
-from vgbs_ray.shard import StepShard
+from vgbs_ray.layout.shard import StepShard
 
 
 def ranks_by_node(rank_nodes: Sequence[str], dp_size: int) -> list[list[int]]:

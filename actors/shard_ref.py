@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import ray
 
-from vgbs_ray.shard import StepShard
+from vgbs_ray.layout.shard import StepShard
 
 
 @dataclass(frozen=True)

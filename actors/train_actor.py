@@ -19,7 +19,7 @@ import torch
 
 from actors.shard_ref import ShardRef
 from trainer.config import RankInfo, RankStepResult, TrainGroupConfig
-from vgbs_ray.shard import StepShard
+from vgbs_ray.layout.shard import StepShard
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class TrainActor:
     def save_adapter(self, directory: str, adapter: str) -> str | None:
         """LoRA: adapter `adapter` as PEFT files in `directory`, written by global rank 0; the first replica's
         ranks must all call it (they gather the adapter together). Returns the directory on rank 0."""
-        from vgbs_ray.lora import base_model_name, save_peft_adapter
+        from vgbs_ray.models.lora import base_model_name, save_peft_adapter
 
         if not self.info.in_first_replica:
             return None

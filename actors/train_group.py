@@ -42,7 +42,7 @@ from vgbs_ray.config import ParallelConfig
 from vgbs_ray.errors import VgbsError
 from vgbs_ray.failure_policy import FailureKind
 from vgbs_ray.metrics import metric_values, reduce_metric_pairs
-from vgbs_ray.shard import StepShard
+from vgbs_ray.layout.shard import StepShard
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ Two transports (`WeightSyncConfig.transport`; figures and the default's reasons:
 
 Publish: the ranks of DP replica 0 gather the full weights (TP shards joined, PP stages
 joined, and with expert parallelism the experts of its EP peers: a collective inside that first replica); global rank 0 converts them to Hugging Face names
-(`vgbs_ray.hf_mapping`) and returns them as numpy arrays. That return value is the one copy
+(`vgbs_ray.models.hf_mapping`) and returns them as numpy arrays. That return value is the one copy
 in the Ray object store; every engine on the node reads it zero-copy (numpy) and copies it
 into its own parameters. The trainer never waits for engines: `publish_weights` returns when
 the object is sealed, and loading happens in the engines' own processes.
@@ -107,11 +107,11 @@ def hf_tensors_from_full(full: dict[str, np.ndarray], model: ModelConfig, dtype=
     """Whole-model Megatron parameters (as `RankTrainer.full_parameters` returns them) -> HF-named torch
     tensors, cast to `dtype` when given (e.g. torch.bfloat16: half the bytes of a float32 sync). With LoRA,
     `full` may be empty (the base did not change) and `adapters` are added as `<adapter>/<PEFT name>`
-    (`vgbs_ray.lora.sync_key`)."""
+    (`vgbs_ray.models.lora.sync_key`)."""
     import torch  # here, not at the top: producers import this module (via actors.rollout_engine) and need no torch
 
-    from vgbs_ray.hf_mapping import megatron_to_hf
-    from vgbs_ray.lora import sync_key
+    from vgbs_ray.models.hf_mapping import megatron_to_hf
+    from vgbs_ray.models.lora import sync_key
 
     hf = megatron_to_hf({name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in full.items()},
                         model.weight_layout) if full else {}

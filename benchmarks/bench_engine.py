@@ -26,8 +26,8 @@ from actors.weight_sync import publish_weights
 from vgbs_ray.agents import SamplingConfig
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.sample import make_rollout
-from vgbs_ray.schedule import build_dp_schedule
-from vgbs_ray.shard import build_step_shards
+from vgbs_ray.layout.schedule import build_dp_schedule
+from vgbs_ray.layout.shard import build_step_shards
 
 MODELS = {
     "demo (default)": ModelConfig(),

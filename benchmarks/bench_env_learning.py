@@ -5,9 +5,9 @@
 
 Pure torch on one thread, no Ray, no Megatron, no vLLM, but the project's own data path:
 the multi-turn environment (`benchmarks.digit_env`) makes the samples (one per turn, so rollouts
-have 1 or 2), `vgbs_ray.advantages` normalises rewards per GRPO group, uniform groups are
+have 1 or 2), `vgbs_ray.losses.advantages` normalises rewards per GRPO group, uniform groups are
 dropped (dynamic sampling, so each step trains a different number of rollouts), the samples
-become a `StepShard` and a `PackedMicroBatch`, and `vgbs_ray.policy_loss.micro_batch_loss`
+become a `StepShard` and a `PackedMicroBatch`, and `vgbs_ray.losses.reduction.micro_batch_loss`
 computes the per-rollout loss divided by the step's rollout count. One optimizer step per
 step, like the trainer.
 
@@ -39,15 +39,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from vgbs_ray.advantages import group_advantages, is_uniform_group
+from vgbs_ray.losses.advantages import group_advantages, is_uniform_group
 from benchmarks.digit_env.digits import PAD, VOCAB_SIZE, DigitTaskConfig, PromptCursor, PromptGenerator
 from benchmarks.digit_env.episode import EpisodeGroup
-from vgbs_ray.microbatch import pack_micro_batch
+from vgbs_ray.layout.microbatch import pack_micro_batch
 from vgbs_ray.losses import CorrectionConfig
 from vgbs_ray.losses.loading import ResolvedLoss, build_loss
-from vgbs_ray.policy_loss import micro_batch_loss
+from vgbs_ray.losses.reduction import micro_batch_loss
 from vgbs_ray.sample import Sample, validate_rollout
-from vgbs_ray.shard import single_micro_batch_shard
+from vgbs_ray.layout.shard import single_micro_batch_shard
 
 HIDDEN, LAYERS, HEADS, FFN = 128, 2, 4, 256
 LR = 1e-3

@@ -50,8 +50,8 @@ def window(vocab_size: int, step: int) -> list:
 
 def shards(samples: list) -> list:
     from vgbs_ray.config import BatchConfig, ParallelConfig
-    from vgbs_ray.schedule import build_dp_schedule
-    from vgbs_ray.shard import build_step_shards
+    from vgbs_ray.layout.schedule import build_dp_schedule
+    from vgbs_ray.layout.shard import build_step_shards
 
     schedule = build_dp_schedule([s.total_length for s in samples], [s.rollout_id for s in samples],
                                  ParallelConfig(dp_size=1), BatchConfig(global_batch_size=ROLLOUTS,
@@ -137,7 +137,7 @@ def main() -> None:
 
     from trainer.hf_checkpoint import write_hf_config
     from trainer.config import ModelConfig
-    from vgbs_ray.lora import LoraConfig
+    from vgbs_ray.models.lora import LoraConfig
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, object_store_memory=2 << 30, log_to_driver=False)
     rows = []

@@ -26,8 +26,8 @@ from actors.train_group import TrainGroup
 from vgbs_ray.config import BatchConfig
 from vgbs_ray.lr_schedule import LRScheduleConfig
 from vgbs_ray.sample import make_rollout
-from vgbs_ray.schedule import build_dp_schedule
-from vgbs_ray.shard import build_step_shards
+from vgbs_ray.layout.schedule import build_dp_schedule
+from vgbs_ray.layout.shard import build_step_shards
 
 GLOBAL_BATCH_SIZE = 16          # rollouts per step
 MAX_SIBLINGS = 3                # samples per rollout: 1..3

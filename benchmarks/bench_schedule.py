@@ -25,10 +25,10 @@ import time
 
 import numpy as np
 
-from vgbs_ray.balancing import _karmarkar_karp_equal_count
-from vgbs_ray.flops import TransformerFlopsModel
-from vgbs_ray.packing import first_fit_decreasing, split_to_alignment
-from vgbs_ray.schedule import BatchConfig, ParallelConfig, build_dp_schedule
+from vgbs_ray.layout.balancing import _karmarkar_karp_equal_count
+from vgbs_ray.models.flops import TransformerFlopsModel
+from vgbs_ray.layout.packing import first_fit_decreasing, split_to_alignment
+from vgbs_ray.layout.schedule import BatchConfig, ParallelConfig, build_dp_schedule
 
 MAX_TOKENS_PER_GPU = 16384
 MULTI_SAMPLE_FRACTION = 0.4

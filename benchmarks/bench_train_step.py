@@ -24,11 +24,11 @@ import ray
 from trainer.config import ModelConfig, TrainGroupConfig
 from actors.train_group import TrainGroup
 from vgbs_ray.config import BatchConfig, ParallelConfig
-from vgbs_ray.flops import TransformerFlopsModel
+from vgbs_ray.models.flops import TransformerFlopsModel
 from vgbs_ray.sample import make_rollout
-from vgbs_ray.packing import first_fit_decreasing
-from vgbs_ray.schedule import StepLayout, build_dp_schedule
-from vgbs_ray.shard import build_step_shards
+from vgbs_ray.layout.packing import first_fit_decreasing
+from vgbs_ray.layout.schedule import StepLayout, build_dp_schedule
+from vgbs_ray.layout.shard import build_step_shards
 
 DP_SIZE = 2
 GLOBAL_BATCH_SIZE = 16          # rollouts per step

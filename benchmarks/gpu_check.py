@@ -34,8 +34,8 @@ TOLERANCE = 1e-3
 def _shards(step: int, cp_size: int):
     from tests.train_support import make_samples
     from vgbs_ray.config import BatchConfig, ParallelConfig
-    from vgbs_ray.schedule import build_dp_schedule
-    from vgbs_ray.shard import build_step_shards
+    from vgbs_ray.layout.schedule import build_dp_schedule
+    from vgbs_ray.layout.shard import build_step_shards
 
     samples = make_samples(100 + step, NUM_ROLLOUTS, id_prefix=f"s{step}-")
     schedule = build_dp_schedule([s.total_length for s in samples], [s.rollout_id for s in samples],
@@ -53,7 +53,7 @@ def _model(dtype: str = "float32"):
 
 def _config(backend: str, cp_size: int, dtype: str = "float32", lora: bool = False):
     from tests.train_support import sgd_config
-    from vgbs_ray.lora import LoraConfig
+    from vgbs_ray.models.lora import LoraConfig
 
     return sgd_config(lr=1.0, backend=backend, cp_size=cp_size, model=_model(dtype),
                       lora=LoraConfig(rank=8, alpha=16) if lora else None)

@@ -33,11 +33,11 @@ from vgbs_ray.agents import SamplingConfig
 from vgbs_ray.agents.tool_calls import FAMILY_PARSERS, ToolRequestError, check_parser_name
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.scheduler.intake import IntakeConfig
-from vgbs_ray.lora import LoraConfig, check_adapter_name
+from vgbs_ray.models.lora import LoraConfig, check_adapter_name
 from vgbs_ray.lr_schedule import LRScheduleConfig
 from vgbs_ray.checkpoint_files import has_tokenizer
-from vgbs_ray.model_families import model_fields_from_hf_config
-from vgbs_ray.off_policy import OffPolicyConfig
+from vgbs_ray.models.families import model_fields_from_hf_config
+from vgbs_ray.losses.off_policy import OffPolicyConfig
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vgbs_ray.schedule import BatchConfig, DPSchedule, ParallelConfig, group_by_rollout
+from vgbs_ray.layout.schedule import BatchConfig, DPSchedule, ParallelConfig, group_by_rollout
 
 
 def assert_schedule_invariants(schedule: DPSchedule, lengths, rollout_ids, parallel: ParallelConfig, batch: BatchConfig):

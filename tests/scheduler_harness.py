@@ -8,7 +8,7 @@ import ray
 
 from tests.rollout_factory import rollout_rows
 
-from vgbs_ray.shard import StepShard
+from vgbs_ray.layout.shard import StepShard
 
 TIMEOUT_S = 60
 

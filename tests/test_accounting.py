@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vgbs_ray.loss import clipped_policy_loss, rollout_mask_sums, sum_of_sample_contributions, token_advantages
+from vgbs_ray.losses.accounting import clipped_policy_loss, rollout_mask_sums, sum_of_sample_contributions, token_advantages
 from vgbs_ray.metrics import add_metric, metric_values, reduce_metric_pairs
 
 

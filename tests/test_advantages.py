@@ -1,4 +1,4 @@
-"""Group advantages: the invariants in vgbs_ray/advantages.py."""
+"""Group advantages: the invariants in vgbs_ray/losses/advantages.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from vgbs_ray.advantages import group_advantages, is_uniform_group
+from vgbs_ray.losses.advantages import group_advantages, is_uniform_group
 
 
 def normalize_group_rewards(rewards, eps=None) -> np.ndarray:

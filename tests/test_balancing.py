@@ -1,4 +1,4 @@
-"""Balancing (vgbs_ray/balancing.py): the constraints every transfer keeps, and the balance it reaches
+"""Balancing (vgbs_ray/layout/balancing.py): the constraints every transfer keeps, and the balance it reaches
 on a step packed to the brim."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.schedule_invariants import assert_schedule_invariants
-from vgbs_ray import balancing
-from vgbs_ray.balancing import distribute
-from vgbs_ray.flops import TransformerFlopsModel
-from vgbs_ray.packing import first_fit_decreasing, split_to_alignment
-from vgbs_ray.schedule import BatchConfig, ParallelConfig, build_dp_schedule
+from vgbs_ray.layout import balancing
+from vgbs_ray.layout.balancing import distribute
+from vgbs_ray.models.flops import TransformerFlopsModel
+from vgbs_ray.layout.packing import first_fit_decreasing, split_to_alignment
+from vgbs_ray.layout.schedule import BatchConfig, ParallelConfig, build_dp_schedule
 
 FLOPS_MODEL = TransformerFlopsModel(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=2)
 # The 7B-class model of benchmarks/bench_schedule.py.

@@ -1,4 +1,4 @@
-"""vgbs_ray.context_parallel: a micro-batch split over context-parallel ranks loses and repeats nothing.
+"""vgbs_ray.layout.context_parallel: a micro-batch split over context-parallel ranks loses and repeats nothing.
 
 CP attention itself needs a GPU (benchmarks/gpu_check.sh); here the split is checked with
 logits that are a fixed function of the padded position, so each rank's share of the loss can
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from tests.train_support import make_samples
-from vgbs_ray.context_parallel import local_padded_indices, split_for_context_parallel
+from vgbs_ray.layout.context_parallel import local_padded_indices, split_for_context_parallel
 from vgbs_ray.metrics import reduce_metric_pairs
-from vgbs_ray.microbatch import pack_micro_batch
-from vgbs_ray.policy_loss import micro_batch_policy_loss
-from vgbs_ray.shard import single_micro_batch_shard
+from vgbs_ray.layout.microbatch import pack_micro_batch
+from vgbs_ray.losses.reduction import micro_batch_policy_loss
+from vgbs_ray.layout.shard import single_micro_batch_shard
 
 VOCAB = 128
 

@@ -10,11 +10,11 @@ from benchmarks.digit_env.digits import (BOS, HIGHER, LOWER, NOT_DIGIT, SEP, VOC
                                   PromptGenerator, prompt_at, prompt_from_row, prompt_rows, rollout_id_for)
 from benchmarks.digit_env.episode import DigitEpisode, EpisodeError, EpisodeGroup
 from vgbs_ray.errors import ConfigError
-from vgbs_ray.microbatch import pack_micro_batch
+from vgbs_ray.layout.microbatch import pack_micro_batch
 from vgbs_ray.losses.loading import build_loss
-from vgbs_ray.policy_loss import micro_batch_loss
+from vgbs_ray.losses.reduction import micro_batch_loss
 from vgbs_ray.sample import Sample, validate_rollout
-from vgbs_ray.shard import single_micro_batch_shard
+from vgbs_ray.layout.shard import single_micro_batch_shard
 
 TASK = DigitTaskConfig()
 

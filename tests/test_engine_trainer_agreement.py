@@ -20,8 +20,8 @@ from tests.train_support import sgd_config
 from vgbs_ray.agents import SamplingConfig
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.sample import make_rollout
-from vgbs_ray.schedule import build_dp_schedule
-from vgbs_ray.shard import build_step_shards
+from vgbs_ray.layout.schedule import build_dp_schedule
+from vgbs_ray.layout.shard import build_step_shards
 
 pytestmark = pytest.mark.slow  # a train group and a vLLM engine: tens of seconds on 2 cores
 

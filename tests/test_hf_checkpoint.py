@@ -82,10 +82,10 @@ def test_tp2_logits_equal_transformers_and_export_gathers_bit_exact(hf_dir):
 def test_packed_thd_log_probs_equal_transformers_one_sequence_at_a_time(hf_dir, megatron_tp1):
     from trainer.model import packed_seq_params
     from vgbs_ray.config import BatchConfig, ParallelConfig
-    from vgbs_ray.microbatch import pack_micro_batch
+    from vgbs_ray.layout.microbatch import pack_micro_batch
     from vgbs_ray.sample import make_rollout
-    from vgbs_ray.schedule import build_dp_schedule
-    from vgbs_ray.shard import build_step_shards
+    from vgbs_ray.layout.schedule import build_dp_schedule
+    from vgbs_ray.layout.shard import build_step_shards
 
     _, hf_model = hf_dir
     _, model = megatron_tp1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vgbs_ray.hf_mapping import (WeightMappingError, canonical_megatron_name, gather_tp_shards, hf_to_megatron,
+from vgbs_ray.models.hf_mapping import (WeightMappingError, canonical_megatron_name, gather_tp_shards, hf_to_megatron,
                                  megatron_to_hf, split_tp_shard)
 
 HIDDEN, HEADS, GROUPS, FFN, VOCAB, LAYERS = 64, 4, 2, 96, 50, 2
@@ -104,7 +104,7 @@ def test_stride_two_shard_holds_its_gate_and_up_slices():
 
 
 def test_tied_embeddings_have_no_head_and_a_stored_head_must_be_the_embedding():
-    from vgbs_ray.model_families import WeightLayout
+    from vgbs_ray.models.families import WeightLayout
 
     tied = WeightLayout(num_attention_heads=HEADS, num_query_groups=GROUPS, tied_embeddings=True)
     hf = random_hf_state()

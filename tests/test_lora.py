@@ -17,7 +17,7 @@ from trainer.config import TrainGroupConfig
 from tests.hf_support import megatron_logits, model_config_for, tiny_hf_model
 from tests.train_support import inprocess_trainer, layout_shards, make_samples, run_two_ranks, sgd_config
 from vgbs_ray.errors import ConfigError
-from vgbs_ray.lora import (AdapterMismatchError, LoraConfig, base_model_name, load_peft_adapter,
+from vgbs_ray.models.lora import (AdapterMismatchError, LoraConfig, base_model_name, load_peft_adapter,
                            merge_into_hf_weights, save_peft_adapter)
 
 LORA = LoraConfig(rank=4, alpha=8.0)

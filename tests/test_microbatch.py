@@ -9,10 +9,10 @@ import torch
 from tests.train_support import layout_shards, make_samples
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.lr_schedule import LRScheduleConfig, lr_at
-from vgbs_ray.microbatch import pack_micro_batch
-from vgbs_ray.policy_loss import micro_batch_policy_loss, undo_averaging_factor
+from vgbs_ray.layout.microbatch import pack_micro_batch
+from vgbs_ray.losses.reduction import micro_batch_policy_loss, undo_averaging_factor
 from vgbs_ray.sample import make_rollout
-from vgbs_ray.shard import single_micro_batch_shard
+from vgbs_ray.layout.shard import single_micro_batch_shard
 
 
 def _shards(samples, dp_size=2, max_tokens=120, balance="tokens"):

@@ -193,7 +193,7 @@ def _config_json(**changes) -> dict:
     (dict(num_hidden_layers=None), r"missing key 'num_hidden_layers'"),
 ])
 def test_what_the_policy_cannot_hold_is_refused_naming_the_key(changes, match):
-    from vgbs_ray.model_families import model_fields_from_hf_config
+    from vgbs_ray.models.families import model_fields_from_hf_config
 
     with pytest.raises(ConfigError, match=match):
         model_fields_from_hf_config(_config_json(**changes), "ckpt/config.json")
@@ -211,7 +211,7 @@ def test_what_the_policy_cannot_hold_is_refused_naming_the_key(changes, match):
 def test_a_written_config_json_reads_back_as_the_same_model(family, extra):
     from trainer.hf_checkpoint import hf_config_dict
     from trainer.config import ModelConfig
-    from vgbs_ray.model_families import model_fields_from_hf_config
+    from vgbs_ray.models.families import model_fields_from_hf_config
 
     config = ModelConfig(**model_fields_from_hf_config(_config_json(model_type=family, **extra), "x"))
     again = ModelConfig(**model_fields_from_hf_config(hf_config_dict(config), "y"))

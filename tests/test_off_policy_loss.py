@@ -12,11 +12,11 @@ from vgbs_ray.errors import ConfigError
 from vgbs_ray.losses.api import LossInputs
 from vgbs_ray.losses.builtin import decoupled_ppo
 from vgbs_ray.losses.loading import build_loss
-from vgbs_ray.microbatch import pack_micro_batch
-from vgbs_ray.off_policy import OffPolicyConfig
-from vgbs_ray.policy_loss import METRIC_NAMES, micro_batch_loss, micro_batch_policy_loss
+from vgbs_ray.layout.microbatch import pack_micro_batch
+from vgbs_ray.losses.off_policy import OffPolicyConfig
+from vgbs_ray.losses.reduction import METRIC_NAMES, micro_batch_loss, micro_batch_policy_loss
 from vgbs_ray.sample import make_rollout
-from vgbs_ray.shard import single_micro_batch_shard
+from vgbs_ray.layout.shard import single_micro_batch_shard
 
 DECOUPLED = build_loss("decoupled_ppo", {"is_weight_cap": 2.0}, max_staleness=2)
 PPO = build_loss("ppo")

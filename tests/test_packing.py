@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vgbs_ray.packing import count_padding, first_fit_decreasing, split_to_alignment, static_chunks
+from vgbs_ray.layout.packing import count_padding, first_fit_decreasing, split_to_alignment, static_chunks
 
 
 def reference_first_fit_decreasing(sizes, capacity):

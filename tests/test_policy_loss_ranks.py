@@ -20,8 +20,8 @@ from tests.train_support import (assert_same_update, inprocess_trainer, loss_cas
                                  layout_shards, run_two_ranks, sgd_config, update_between)
 from vgbs_ray.losses import CorrectionConfig
 from vgbs_ray.metrics import reduce_metric_pairs
-from vgbs_ray.microbatch import pack_micro_batch
-from vgbs_ray.shard import single_micro_batch_shard
+from vgbs_ray.layout.microbatch import pack_micro_batch
+from vgbs_ray.layout.shard import single_micro_batch_shard
 
 PROXIMAL = {"anchor": "proximal"}
 CASES = {

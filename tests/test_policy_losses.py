@@ -13,10 +13,10 @@ import torch
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.losses import CorrectionConfig, LossInputs, LossOutput, PolicyLoss
 from vgbs_ray.losses.loading import LossOutputError, ResolvedLoss, build_loss
-from vgbs_ray.microbatch import pack_micro_batch
-from vgbs_ray.policy_loss import micro_batch_loss
+from vgbs_ray.layout.microbatch import pack_micro_batch
+from vgbs_ray.losses.reduction import micro_batch_loss
 from vgbs_ray.sample import make_rollout
-from vgbs_ray.shard import single_micro_batch_shard
+from vgbs_ray.layout.shard import single_micro_batch_shard
 
 # -- a step: 4 rollouts in 2 prompt groups; rollout "a" has 2 samples, "d" 3 ---------------------
 

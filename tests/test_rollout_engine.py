@@ -55,8 +55,8 @@ def system(ray_session, tmp_path_factory):
 
 def _train_one_step(group):
     from vgbs_ray.config import BatchConfig, ParallelConfig
-    from vgbs_ray.schedule import build_dp_schedule
-    from vgbs_ray.shard import build_step_shards
+    from vgbs_ray.layout.schedule import build_dp_schedule
+    from vgbs_ray.layout.shard import build_step_shards
 
     samples = make_samples(3, 4)
     schedule = build_dp_schedule([s.total_length for s in samples], [s.rollout_id for s in samples],

@@ -7,8 +7,8 @@ import pytest
 
 from tests.schedule_invariants import assert_schedule_invariants
 from vgbs_ray.errors import ConfigError
-from vgbs_ray.flops import TransformerFlopsModel
-from vgbs_ray.schedule import BatchConfig, ParallelConfig, build_dp_schedule
+from vgbs_ray.models.flops import TransformerFlopsModel
+from vgbs_ray.layout.schedule import BatchConfig, ParallelConfig, build_dp_schedule
 
 
 def one_sample_rollouts(lengths):

@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.schedule_invariants import assert_schedule_invariants
-from vgbs_ray.flops import TransformerFlopsModel
-from vgbs_ray.schedule import BatchConfig, ParallelConfig, build_dp_schedule
+from vgbs_ray.models.flops import TransformerFlopsModel
+from vgbs_ray.layout.schedule import BatchConfig, ParallelConfig, build_dp_schedule
 
 FLOPS_MODEL = TransformerFlopsModel(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=2)
 

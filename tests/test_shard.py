@@ -9,8 +9,8 @@ import numpy as np
 
 from vgbs_ray.config import ParallelConfig
 from vgbs_ray.sample import make_rollout
-from vgbs_ray.schedule import BatchConfig, build_dp_schedule
-from vgbs_ray.shard import build_step_shards
+from vgbs_ray.layout.schedule import BatchConfig, build_dp_schedule
+from vgbs_ray.layout.shard import build_step_shards
 
 
 def window(num_rollouts=8, seed=0):

@@ -18,7 +18,7 @@ from actors.train_group import PlacementGroupTimeoutError, TrainGroup, TrainStep
 from tests.train_support import (assert_same_update, inprocess_trainer, layout_shards, make_samples, sgd_config,
                                  update_between)
 from vgbs_ray.config import BatchConfig, ParallelConfig
-from vgbs_ray.flops import TransformerFlopsModel
+from vgbs_ray.models.flops import TransformerFlopsModel
 
 FLOPS = TransformerFlopsModel(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128)
 

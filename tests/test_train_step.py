@@ -20,8 +20,8 @@ from tests.train_support import (assert_same_update, inprocess_trainer, layout_s
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.lr_schedule import LRScheduleConfig, lr_at
 from vgbs_ray.sample import make_rollout
-from vgbs_ray.schedule import build_dp_schedule
-from vgbs_ray.shard import build_step_shards
+from vgbs_ray.layout.schedule import build_dp_schedule
+from vgbs_ray.layout.shard import build_step_shards
 
 
 def _schedule(samples, *, dp_size=1, gbs=None, max_tokens=4096, balance="tokens", leftover="partial"):
@@ -173,7 +173,7 @@ def _with_step_start_behaviour(shard):
     """The shard with behaviour log-probs = the fresh trainer's own log-probs (staleness 0, engine
     and trainer holding the same weights): from a separate no-grad forward, scattered back into
     shard order."""
-    from vgbs_ray.microbatch import pack_micro_batch
+    from vgbs_ray.layout.microbatch import pack_micro_batch
 
     trainer = inprocess_trainer(sgd_config())
     micro_batches = [pack_micro_batch(shard, p) for p in shard.micro_batch_indices]
@@ -277,7 +277,7 @@ def test_decoupled_ppo_step_matches_a_naive_per_sample_reference():
 def test_proximal_from_the_loss_forward_equals_a_separate_no_grad_pass():
     """The trainer takes the proximal policy from its loss forward (detached), not from an extra
     pass: both give the same update and metrics, since the step's one update comes after it."""
-    from vgbs_ray.microbatch import pack_micro_batch
+    from vgbs_ray.layout.microbatch import pack_micro_batch
 
     on_policy = _with_step_start_behaviour(_laid_out_shard(43))
     noise = np.random.default_rng(1).uniform(-1.0, 1.0, on_policy.rollout_log_probs.shape).astype(np.float32)

@@ -17,8 +17,8 @@ from trainer.config import ModelConfig, OptimizerConfig, TrainGroupConfig
 from vgbs_ray.config import BatchConfig, ParallelConfig
 from vgbs_ray.lr_schedule import LRScheduleConfig
 from vgbs_ray.sample import Sample, make_rollout
-from vgbs_ray.schedule import build_dp_schedule
-from vgbs_ray.shard import StepShard, build_step_shards
+from vgbs_ray.layout.schedule import build_dp_schedule
+from vgbs_ray.layout.shard import StepShard, build_step_shards
 
 VOCAB = ModelConfig().vocab_size
 

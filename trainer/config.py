@@ -11,14 +11,14 @@ from typing import ClassVar, Literal
 
 from vgbs_ray.config import ParallelConfig
 from vgbs_ray.errors import ConfigError
-from vgbs_ray.flops import TransformerFlopsModel
-from vgbs_ray.lora import DEFAULT_ADAPTER, LoraConfig, check_adapter_name
+from vgbs_ray.models.flops import TransformerFlopsModel
+from vgbs_ray.models.lora import DEFAULT_ADAPTER, LoraConfig, check_adapter_name
 from vgbs_ray.lr_schedule import LRScheduleConfig
 from vgbs_ray.metrics import MetricPairs
-from vgbs_ray.model_families import RopeScaling, WeightLayout, get_family
+from vgbs_ray.models.families import RopeScaling, WeightLayout, get_family
 from vgbs_ray.losses.api import AGGREGATIONS
 from vgbs_ray.losses.config import CorrectionConfig, check_policy_name
-from vgbs_ray.off_policy import OffPolicyConfig
+from vgbs_ray.losses.off_policy import OffPolicyConfig
 
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -29,7 +29,7 @@ class ModelConfig:
     """A decoder of one model family (Megatron-Core GPTModel; maps one-to-one onto its HF `*ForCausalLM`).
 
     Every family: RMSNorm, SwiGLU MLP, rotary position embeddings, grouped-query attention, no
-    output-projection or MLP biases. The family adds its own features (`vgbs_ray.model_families`:
+    output-projection or MLP biases. The family adds its own features (`vgbs_ray.models.families`:
     Qwen2's QKV biases, Qwen3's QK-norm); the fields below cover what varies between checkpoints.
     The defaults are the tiny Llama-shaped model of tests and the demo (head_dim 32: vLLM's CPU
     attention refuses head dimensions under 32).
@@ -107,7 +107,7 @@ class ModelConfig:
 
     @property
     def weight_layout(self) -> WeightLayout:
-        """What the HF <-> Megatron weight table needs to know of this model (`vgbs_ray.hf_mapping`)."""
+        """What the HF <-> Megatron weight table needs to know of this model (`vgbs_ray.models.hf_mapping`)."""
         family = get_family(self.family)
         return WeightLayout(num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
                             qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
@@ -179,7 +179,7 @@ class LossConfig:
     """Importance correction for the engine/trainer mismatch: kind none / tis / mis / icepop, level
     token / rollout, low, high (vgbs_ray/losses/config.py)."""
     off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
-    """Staleness bound: max_staleness, allow_uncorrected_staleness (see vgbs_ray/off_policy.py)."""
+    """Staleness bound: max_staleness, allow_uncorrected_staleness (see vgbs_ray/losses/off_policy.py)."""
 
     def __post_init__(self):
         if not isinstance(self.off_policy, OffPolicyConfig):

@@ -5,7 +5,7 @@
     hf = export_hf_weights(model, config)                 # full HF-named weights (TP gathered; collective)
     write_hf_checkpoint(out_dir, config, hf)              # config.json + model.safetensors
 
-The name and layout table is `vgbs_ray.hf_mapping` (pure); this module adds files, the model
+The name and layout table is `vgbs_ray.models.hf_mapping` (pure); this module adds files, the model
 config and tensor parallelism. A rank's shard of a tensor follows the parameter's own Megatron
 attributes (`partition_dim`, `partition_stride`), so the same code serves every TP size.
 Export is a collective over the tensor-parallel group: every TP rank must call it.
@@ -24,8 +24,8 @@ from trainer.global_names import is_expert_parameter, named_parameters_global, w
 from trainer.config import ModelConfig
 from vgbs_ray.checkpoint_files import copy_tokenizer
 from vgbs_ray.errors import ConfigError
-from vgbs_ray.model_families import FAMILIES, get_family, model_fields_from_hf_config
-from vgbs_ray.hf_mapping import (WeightMappingError, canonical_megatron_name, gather_tp_shards, hf_to_megatron,
+from vgbs_ray.models.families import FAMILIES, get_family, model_fields_from_hf_config
+from vgbs_ray.models.hf_mapping import (WeightMappingError, canonical_megatron_name, gather_tp_shards, hf_to_megatron,
                                  megatron_to_hf, split_tp_shard)
 
 SAFETENSORS_NAME = "model.safetensors"
@@ -34,7 +34,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def hf_config_dict(config: ModelConfig) -> dict:
-    """The `config.json` of `config`'s family and shape (transformers 5 keys; `vgbs_ray.model_families`)."""
+    """The `config.json` of `config`'s family and shape (transformers 5 keys; `vgbs_ray.models.families`)."""
     return dict(get_family(config.family).write_hf_config(config),
                 # No special tokens here: a tokenizer copied next to the weights brings its own
                 # (`tokenizer_config.json`); token-id policies stop on max_tokens or explicit stop ids.

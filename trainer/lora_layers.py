@@ -1,4 +1,4 @@
-"""LoRA adapters on a Megatron GPTModel's linear layers, sharded as the layers are (vgbs_ray/lora.py: config, names).
+"""LoRA adapters on a Megatron GPTModel's linear layers, sharded as the layers are (vgbs_ray/models/lora.py: config, names).
 
     active = attach_lora(model, {"policy": lora}, model_config)   # before Megatron DDP wraps it: the base frozen
     active.name = "tenant_b"                                          # multi-LoRA: which adapter the next step uses
@@ -7,7 +7,7 @@ Each adapted Megatron linear layer gets a submodule `lora` (a ModuleDict: one `L
 holding, per Hugging Face target it carries, A [rank, in] and B [out, rank] in that target's Hugging Face layout,
 and a forward hook that adds the active adapter's `scaling * B A x` to the layer's output. The base parameters
 keep their names (weight sync, checkpoints and the HF mapping see the same model); the adapters' names end in
-`.lora.<adapter>.<target>_A|B` (`vgbs_ray.lora.is_adapter_name`, `adapter_of`).
+`.lora.<adapter>.<target>_A|B` (`vgbs_ray.models.lora.is_adapter_name`, `adapter_of`).
 
 Tensor parallelism, as Megatron shards the layer:
 - column-parallel `linear_qkv` (q, k, v) and `linear_fc1` (gate, up): the input is whole, so A is replicated; B is
@@ -36,7 +36,7 @@ from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
                                            reduce_from_tensor_model_parallel_region)
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-from vgbs_ray.lora import DEFAULT_ADAPTER, MEGATRON_LAYER_TARGETS, TARGET_MODULES, LoraConfig
+from vgbs_ray.models.lora import DEFAULT_ADAPTER, MEGATRON_LAYER_TARGETS, TARGET_MODULES, LoraConfig
 
 _COLUMN_PARALLEL = ("self_attention.linear_qkv", "mlp.linear_fc1")
 

@@ -41,10 +41,10 @@ from trainer.global_names import is_expert_parameter, named_parameters_global, w
 from trainer.model import build_gpt_model, packed_seq_params
 from trainer.config import TrainGroupConfig
 from vgbs_ray.errors import VgbsError
-from vgbs_ray.hf_mapping import gather_tp_shards, split_tp_shard
-from vgbs_ray.lora import (AdapterMismatchError, LoraConfig, adapter_of, base_model_name, is_adapter_name,
+from vgbs_ray.models.hf_mapping import gather_tp_shards, split_tp_shard
+from vgbs_ray.models.lora import (AdapterMismatchError, LoraConfig, adapter_of, base_model_name, is_adapter_name,
                            load_peft_adapter)
-from vgbs_ray.microbatch import PackedMicroBatch
+from vgbs_ray.layout.microbatch import PackedMicroBatch
 
 
 class NonFiniteLossError(VgbsError, FloatingPointError):

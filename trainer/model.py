@@ -1,9 +1,9 @@
 """The policy model: a Megatron-Core GPTModel of one model family, built from a frozen config.
 
 RMSNorm, SwiGLU MLP (`linear_fc1` holds [gate; up]), rotary position embeddings, grouped-query
-attention, no output-projection or MLP biases; per family (`vgbs_ray.model_families`) QKV
+attention, no output-projection or MLP biases; per family (`vgbs_ray.models.families`) QKV
 biases (Qwen2) or per-head QK RMSNorm (Qwen3); tied or untied embeddings, a head width of its own
-(`kv_channels`) and Llama 3.x RoPE scaling per checkpoint. `vgbs_ray.hf_mapping` maps the layout
+(`kv_channels`) and Llama 3.x RoPE scaling per checkpoint. `vgbs_ray.models.hf_mapping` maps the layout
 one-to-one onto the family's Hugging Face `*ForCausalLM`.
 
 Attention. Micro-batches are THD packed sequences; Megatron's local `DotProductAttention`
@@ -39,8 +39,8 @@ from trainer.megatron_cpu_compat import activate as activate_cpu_compat
 from trainer.megatron_cpu_compat import make_rotary_embedding_cpu_safe
 from trainer.config import ModelConfig
 from vgbs_ray.errors import ConfigError
-from vgbs_ray.model_families import get_family
-from vgbs_ray.model_families.rope import rope_inv_freq
+from vgbs_ray.models.families import get_family
+from vgbs_ray.models.families.rope import rope_inv_freq
 
 
 class SDPAAttention(MegatronModule):

@@ -7,8 +7,8 @@ A step (`RankTrainer.train_shard`), the same on CPU (gloo) and GPU (NCCL):
    DP rank (and a multiple of the interleaved schedule's group), so no rank agrees on it here.
    PP and TP peers of a DP rank train the same shard, so every stage sees the same list.
    With context parallelism (GPU) each CP rank keeps its load-balanced share of every row
-   (`vgbs_ray.context_parallel`).
-2. Log-probs the loss compares against (`vgbs_ray.policy_loss.micro_batch_loss`, chosen by
+   (`vgbs_ray.layout.context_parallel`).
+2. Log-probs the loss compares against (`vgbs_ray.losses.reduction.micro_batch_loss`, chosen by
    `config.loss.off_policy.policy_loss`):
    - behaviour: the shard's `rollout_log_probs` (the engine's, at sampling time), per
      micro-batch `PackedMicroBatch.old_log_probs`;
@@ -47,14 +47,14 @@ from megatron.core import parallel_state
 
 from trainer.megatron_step import MegatronStep, padding_micro_batch
 from trainer.config import RankInfo, RankStepResult, TrainGroupConfig
-from vgbs_ray.context_parallel import split_for_context_parallel
+from vgbs_ray.layout.context_parallel import split_for_context_parallel
 from vgbs_ray.errors import VgbsError
-from vgbs_ray.lora import is_adapter_name
+from vgbs_ray.models.lora import is_adapter_name
 from vgbs_ray.lr_schedule import lr_at
 from vgbs_ray.metrics import MetricPairs, reduce_metric_pairs
-from vgbs_ray.microbatch import PackedMicroBatch, pack_micro_batch
-from vgbs_ray.policy_loss import micro_batch_loss, undo_averaging_factor
-from vgbs_ray.shard import StepShard
+from vgbs_ray.layout.microbatch import PackedMicroBatch, pack_micro_batch
+from vgbs_ray.losses.reduction import micro_batch_loss, undo_averaging_factor
+from vgbs_ray.layout.shard import StepShard
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from vgbs_ray.errors import ConfigError
-from vgbs_ray.flops import TransformerFlopsModel
+from vgbs_ray.models.flops import TransformerFlopsModel
 
 BalanceMode = Literal["none", "tokens", "flops"]
 LeftoverPolicy = Literal["drop", "partial", "carry"]

@@ -2,7 +2,7 @@
 
     step loss = sum over samples s of  sum_t(term_t * mask_t) / denominator_s  /  divisor
 
-Both come from counts made once on the rollout side over the *whole* step (`vgbs_ray.normalisers`), so
+Both come from counts made once on the rollout side over the *whole* step (`vgbs_ray.losses.normalisers`), so
 the sum of every micro-batch's share over every DP, CP and PP rank is the same number whatever the split:
 the reduction is exact by construction, with no collective beyond the gradients' own.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from vgbs_ray.microbatch import PackedMicroBatch
+from vgbs_ray.layout.microbatch import PackedMicroBatch
 
 
 def sample_denominators(aggregation: str, micro_batch: PackedMicroBatch,

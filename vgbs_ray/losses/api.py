@@ -5,7 +5,7 @@ trainer must know before the step (which old policy its ratio uses, how its toke
 aggregated, whether it needs the rollout-level log-ratio pre-pass). The built-ins
 (`vgbs_ray.losses.builtin`) and a user's loss (`train.loss.policy=my_pkg.losses:make_loss`) are
 the same kind of object, so the reduction across micro-batches, DP, CP and PP ranks stays the
-project's (`vgbs_ray.policy_loss.micro_batch_loss`) and stays exact for both:
+project's (`vgbs_ray.losses.reduction.micro_batch_loss`) and stays exact for both:
 
     step loss = sum over the step's samples s of  sum_t(token_loss_t * mask_t) / denominator_s  / divisor
 

@@ -20,7 +20,7 @@ rejected as a unit (nothing of it was accepted before).
 
 Advantages. A rollout whose samples carry no advantage needs a group (`group_id`,
 `group_size`); it waits until every rollout of its group is complete, then gets the
-group-normalised reward (`vgbs_ray.advantages`). A uniform-reward group is dropped when
+group-normalised reward (`vgbs_ray.losses.advantages`). A uniform-reward group is dropped when
 `drop_uniform_groups` is set ("uniform_group_reward"), else trained with zero advantages.
 
 Backpressure. A *new* rollout is admitted only while `accept_new` and the buffer (open +
@@ -42,7 +42,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Hashable, NamedTuple, Sequence
 
-from vgbs_ray.advantages import DEFAULT_EPS, group_advantages, is_uniform_group
+from vgbs_ray.losses.advantages import DEFAULT_EPS, group_advantages, is_uniform_group
 from vgbs_ray.errors import ConfigError, RolloutValidationError
 from vgbs_ray.scheduler.ledger import Ledger, Rejection, RolloutState
 from vgbs_ray.sample import Sample, check_sibling, validate_sample

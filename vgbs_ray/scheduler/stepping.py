@@ -21,8 +21,8 @@ import numpy as np
 from vgbs_ray.config import BatchConfig, ParallelConfig, LeftoverPolicy
 from vgbs_ray.errors import ScheduleError
 from vgbs_ray.scheduler.intake import ReadyRollout
-from vgbs_ray.schedule import layout_step
-from vgbs_ray.shard import StepShard, build_step_shards
+from vgbs_ray.layout.schedule import layout_step
+from vgbs_ray.layout.shard import StepShard, build_step_shards
 
 LeftoverAction = Literal["partial", "drop", "keep"]
 

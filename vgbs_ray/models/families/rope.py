@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from vgbs_ray.model_families.spec import RopeScaling
+from vgbs_ray.models.families.spec import RopeScaling
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:

@@ -6,7 +6,7 @@ of them per token, their gate weights renormalised over the chosen ones when `no
 from __future__ import annotations
 
 from vgbs_ray.errors import ConfigError
-from vgbs_ray.model_families.spec import HFConfigReader, ModelFamily, common_hf_config
+from vgbs_ray.models.families.spec import HFConfigReader, ModelFamily, common_hf_config
 
 
 def _read(reader: HFConfigReader) -> dict:

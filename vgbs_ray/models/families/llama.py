@@ -3,7 +3,7 @@ embeddings and Llama 3.x `llama3` RoPE scaling."""
 
 from __future__ import annotations
 
-from vgbs_ray.model_families.spec import HFConfigReader, ModelFamily, common_hf_config
+from vgbs_ray.models.families.spec import HFConfigReader, ModelFamily, common_hf_config
 
 
 def _read(reader: HFConfigReader) -> dict:

@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import torch
 
-from vgbs_ray.loss import clipped_policy_loss, per_sample_masked_sums, sum_of_sample_contributions, token_advantages
+from vgbs_ray.losses.accounting import clipped_policy_loss, per_sample_masked_sums, sum_of_sample_contributions, token_advantages
 from vgbs_ray.losses.aggregation import sample_denominators
 from vgbs_ray.losses.api import LossInputs
 from vgbs_ray.losses.correction import correction_weights
 from vgbs_ray.losses.loading import ResolvedLoss, check_loss_output
 from vgbs_ray.metrics import MetricPairs, add_metric
-from vgbs_ray.microbatch import PackedMicroBatch
+from vgbs_ray.layout.microbatch import PackedMicroBatch
 
 METRIC_NAMES = ("loss", "reward", "clip_fraction", "ratio", "approx_kl")
 """Every metric `micro_batch_policy_loss` reports."""

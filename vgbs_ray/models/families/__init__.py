@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from vgbs_ray.errors import ConfigError
-from vgbs_ray.model_families.llama import LLAMA
-from vgbs_ray.model_families.qwen2 import QWEN2
-from vgbs_ray.model_families.qwen3 import QWEN3
-from vgbs_ray.model_families.qwen3_moe import QWEN3_MOE
-from vgbs_ray.model_families.spec import HFConfigReader, ModelFamily, RopeScaling, WeightLayout
+from vgbs_ray.models.families.llama import LLAMA
+from vgbs_ray.models.families.qwen2 import QWEN2
+from vgbs_ray.models.families.qwen3 import QWEN3
+from vgbs_ray.models.families.qwen3_moe import QWEN3_MOE
+from vgbs_ray.models.families.spec import HFConfigReader, ModelFamily, RopeScaling, WeightLayout
 
 FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (LLAMA, QWEN2, QWEN3, QWEN3_MOE)}
 

@@ -2,7 +2,7 @@
 
 `rollout_mask_sums[i]` is the number of loss-mask tokens over every sample of sample i's
 rollout, wherever its siblings land (other micro-batches, DP or CP ranks). A sample's
-contribution to the loss is divided by it (`vgbs_ray.loss`), so a rollout of N samples
+contribution to the loss is divided by it (`vgbs_ray.losses.accounting`), so a rollout of N samples
 weighs as much as a rollout of one. `step_normalisers` adds what the other aggregations
 divide by (a prompt group's mask tokens, the step's totals) and a step-wide rollout index.
 The scheduler builds shards with them and must not import torch, hence this module.

@@ -23,7 +23,7 @@ The table (per layer `i`; H hidden, V vocab, F ffn, q query heads, g key/value g
 | `decoder.layers.i.mlp.experts.local_experts.e.linear_fc1.weight` | `...mlp.experts.e.{gate,up}_proj.weight` | `cat([gate, up])` per expert     |
 | `decoder.layers.i.mlp.experts.local_experts.e.linear_fc2.weight` | `...mlp.experts.e.down_proj.weight` | same per expert                       |
 
-Which optional rows apply is the model's `WeightLayout` (`vgbs_ray.model_families`). With tied
+Which optional rows apply is the model's `WeightLayout` (`vgbs_ray.models.families`). With tied
 embeddings HF has no `lm_head.weight`; a Megatron last pipeline stage's copy of the embedding
 (`output_layer.weight`) is consumed on export and not written.
 
@@ -46,7 +46,7 @@ from typing import Mapping, Sequence
 import torch
 
 from vgbs_ray.errors import VgbsError
-from vgbs_ray.model_families.spec import WeightLayout
+from vgbs_ray.models.families.spec import WeightLayout
 
 
 class WeightMappingError(VgbsError, ValueError):

@@ -5,7 +5,7 @@ QK RMSNorm), names what `transformers` and vLLM build from its `config.json` (`h
 and reads and writes that `config.json` (`read_hf_config`, `write_hf_config`). The features that
 vary between checkpoints of one family (tied embeddings, head_dim, Llama 3.x RoPE scaling) are
 read into the policy's `ModelConfig` fields; everything the policy cannot hold is refused with
-the key named (`HFConfigReader.refuse`). The weight-name table is `vgbs_ray.hf_mapping`, driven
+the key named (`HFConfigReader.refuse`). The weight-name table is `vgbs_ray.models.hf_mapping`, driven
 by the family's features. Pure: no Megatron, no transformers, no Ray.
 """
 
@@ -23,7 +23,7 @@ class RopeScaling:
 
     Wavelengths (in tokens) above `original_max_position_embeddings / low_freq_factor` are
     stretched by `factor`, those under `original_max_position_embeddings / high_freq_factor` are
-    kept, and the band between is interpolated smoothly (`vgbs_ray.model_families.rope`).
+    kept, and the band between is interpolated smoothly (`vgbs_ray.models.families.rope`).
     """
 
     factor: float
@@ -43,7 +43,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class WeightLayout:
-    """What the HF <-> Megatron weight table (`vgbs_ray.hf_mapping`) needs to know of a model."""
+    """What the HF <-> Megatron weight table (`vgbs_ray.models.hf_mapping`) needs to know of a model."""
 
     num_attention_heads: int
     num_query_groups: int

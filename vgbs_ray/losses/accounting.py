@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from vgbs_ray.normalisers import rollout_mask_sums  # noqa: F401 - re-exported: the loss's denominators
+from vgbs_ray.losses.normalisers import rollout_mask_sums  # noqa: F401 - re-exported: the loss's denominators
 
 
 def per_sample_masked_sums(values: torch.Tensor, response_lengths: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

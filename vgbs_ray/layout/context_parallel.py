@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vgbs_ray.microbatch import PackedMicroBatch
+from vgbs_ray.layout.microbatch import PackedMicroBatch
 
 
 def _padded_layout(lengths: np.ndarray, cp_size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -10,7 +10,7 @@ tokens of its own sequence). Nothing is padded.
 Scoring: logits at packed position p predict the token at p + 1, so the response token at
 packed position j is scored by the logits at j - 1. `response_logit_index[k]` is that index
 for the k-th response token of the micro-batch (response tokens back to back in sample
-order, the layout of `vgbs_ray.loss`). A sample whose response starts at its first token has
+order, the layout of `vgbs_ray.losses.accounting`). A sample whose response starts at its first token has
 no logits for that token: it is not scorable, its numerator weight is 0 (`loss_weight`),
 while its rollout denominator stays the precomputed `rollout_mask_sums` (the known edge:
 only numerators change).
@@ -27,8 +27,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from vgbs_ray.normalisers import StepTotals
-from vgbs_ray.shard import StepShard
+from vgbs_ray.losses.normalisers import StepTotals
+from vgbs_ray.layout.shard import StepShard
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class PackedMicroBatch:
     group_mask_sums: torch.Tensor
     """[num_samples] int64: loss-mask tokens over each sample's whole prompt group."""
     step_totals: StepTotals | None
-    """The whole step's counts (`vgbs_ray.normalisers.StepTotals`); None on a padding micro-batch."""
+    """The whole step's counts (`vgbs_ray.losses.normalisers.StepTotals`); None on a padding micro-batch."""
 
     @property
     def num_samples(self) -> int:

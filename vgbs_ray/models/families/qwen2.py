@@ -3,7 +3,7 @@ tied embeddings (the small sizes)."""
 
 from __future__ import annotations
 
-from vgbs_ray.model_families.spec import HFConfigReader, ModelFamily, common_hf_config
+from vgbs_ray.models.families.spec import HFConfigReader, ModelFamily, common_hf_config
 
 
 def _read(reader: HFConfigReader) -> dict:

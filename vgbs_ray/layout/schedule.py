@@ -31,9 +31,9 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from vgbs_ray.balancing import distribute
+from vgbs_ray.layout.balancing import distribute
 from vgbs_ray.config import BatchConfig, ParallelConfig, check_schedule_configs
-from vgbs_ray.packing import first_fit_decreasing, split_to_alignment, static_chunks
+from vgbs_ray.layout.packing import first_fit_decreasing, split_to_alignment, static_chunks
 
 __all__ = [
     "BatchConfig",

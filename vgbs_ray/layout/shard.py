@@ -9,7 +9,7 @@ Flat layout: samples appear in execution order (the rank's partition). `token_id
 every sample's tokens back to back (`total_lengths` each); `loss_mask` and
 `rollout_log_probs` hold every sample's response tokens back to back
 (`response_lengths` each). `micro_batch_indices` are positions into the shard's samples, the
-micro-batches the rank runs in that order (laid out on the rollout side, `vgbs_ray.schedule`).
+micro-batches the rank runs in that order (laid out on the rollout side, `vgbs_ray.layout.schedule`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Sequence
 import numpy as np
 
 from vgbs_ray.errors import RolloutValidationError
-from vgbs_ray.normalisers import StepTotals, step_normalisers
+from vgbs_ray.losses.normalisers import StepTotals, step_normalisers
 from vgbs_ray.sample import Sample
-from vgbs_ray.schedule import StepLayout
+from vgbs_ray.layout.schedule import StepLayout
 
 
 @dataclass(frozen=True)
