@@ -63,7 +63,7 @@ def listen_address(host: str) -> str:
         import ray
 
         return ray.util.get_node_ip_address()
-    raise ConfigError(f"closed_loop.endpoint.host={host!r} must be 'loopback' or 'node' (the node's private "
+    raise ConfigError(f"rollout.endpoint.host={host!r} must be 'loopback' or 'node' (the node's private "
                       "address); the endpoint never listens on every interface")
 
 

@@ -82,11 +82,11 @@ class PromptSpec:
 
     def build(self):
         if self.generator is not None:
-            return GeneratedPrompts(resolve(self.generator, "closed_loop.prompts")(seed=self.seed,
+            return GeneratedPrompts(resolve(self.generator, "rollout.prompts")(seed=self.seed,
                                                                                    **self.generator_kwargs))
         rows = ray.get(self.rows) if isinstance(self.rows, ray.ObjectRef) else self.rows
         return DatasetPrompts(rows, epochs=self.epochs, shuffle_seed=self.shuffle_seed, keys=self.keys,
-                              name="closed_loop.dataset")
+                              name="rollout.dataset")
 
     def length(self, source) -> int | None:
         """Positions of `source` the producers answer (None: endless)."""
@@ -320,8 +320,8 @@ class AgentProducer:
         return task.result() if not task.cancelled() else None
 
     async def _no_engines(self, token_ids, sampling: SamplingConfig):
-        raise EngineError("this job runs no rollout engines (closed_loop.enabled=false, as in the synthetic preset): "
-                          "an agent here makes its samples itself (ctx.add_sample); set closed_loop.enabled=true "
+        raise EngineError("this job runs no rollout engines (rollout.use_engines=false, as in the synthetic preset): "
+                          "an agent here makes its samples itself (ctx.add_sample); set rollout.use_engines=true "
                           "to sample the policy")
 
     async def _generate(self, local: int, rollout_id: str, token_ids, sampling: SamplingConfig):

@@ -7,7 +7,7 @@ Each run is `--preset long_tail` (examples/long_tail_agent.py: 79% one-token epi
 5% 8-16 turns of 8 tokens; one vLLM CPU engine, gbs 64, staleness 1, decoupled PPO) with:
 - count: the producers' groups in flight bound the work (the default);
 - tokens: `scheduler.admission_token_budget=--budget` on top (vgbs_ray/scheduler/token_budget.py);
-- control: every episode one short turn (`closed_loop.agent_kwargs.all_short=true`), count admission.
+- control: every episode one short turn (`rollout.agent_kwargs.all_short=true`), count admission.
 Printed per run, over the steps after the first 5: trained rollouts/s; the trainer's idle share (its summed shard
 waits over the step loop's time); the engine's mean requests per vLLM step (how full continuous batching kept it)
 and idle share; rollouts dropped as stale and abandoned (their tokens thrown away) over those finished; the long
@@ -58,7 +58,7 @@ def main() -> None:
     init_ray(load_job_config(None, [], preset="long_tail"))
     rows = [run("count", args.steps, []),
             run("tokens", args.steps, [f"scheduler.admission_token_budget={args.budget}"]),
-            run("control", args.steps, ["closed_loop.agent_kwargs={all_short: true}"])]
+            run("control", args.steps, ["rollout.agent_kwargs={all_short: true}"])]
     print("load after:", os.getloadavg())
     keys = list(rows[0])
     print(" | ".join(f"{k:>14}" for k in keys))

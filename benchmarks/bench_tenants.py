@@ -47,7 +47,7 @@ def main() -> None:
         for name, extra in TENANTS.items():
             items = [f"run.num_steps={args.steps}", f"scheduler.batch.global_batch_size={BATCH}", "train.lora.rank=8"]
             if extra:
-                items += [f"closed_loop.agent={extra['agent']}", f"closed_loop.agent_kwargs={json.dumps(extra['agent_kwargs'])}"]
+                items += [f"rollout.agent={extra['agent']}", f"rollout.agent_kwargs={json.dumps(extra['agent_kwargs'])}"]
             summary, wall = run(items)
             separate[name] = (summary["rollouts_trained"], summary["elapsed_s"], wall)
         tenants = ", ".join("{" + f"name: {name}, num_steps: {args.steps}, global_batch_size: {BATCH}"

@@ -1,9 +1,9 @@
 """An OpenAI Agents SDK agent with a function tool, trained unchanged through the job's endpoint.
 
-    --set closed_loop.endpoint.enabled=true
-    --set closed_loop.agent=vgbs_ray.agents.openai_agent:make_agent
-    --set closed_loop.prompts=examples.calculator_agent:make_prompts   # rows {a, b}
-    --set closed_loop.agent_kwargs='{run: examples.agents_sdk_agent:run}'
+    --set rollout.endpoint.enabled=true
+    --set rollout.agent=vgbs_ray.agents.openai_agent:make_agent
+    --set rollout.prompts=examples.calculator_agent:make_prompts   # rows {a, b}
+    --set rollout.agent_kwargs='{run: examples.agents_sdk_agent:run}'
 
 Ordinary Agents SDK code: an `Agent` with a `@function_tool`, run by `Runner.run` over chat completions, or over
 the Responses API (`api="responses"`: the SDK's default model, `OpenAIResponsesModel`), streamed or not; only the

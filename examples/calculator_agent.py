@@ -5,11 +5,11 @@ reply (plain text, parsed here: no `tool_calls`, so any chat template works), re
 result in the next turn, and answers `it is N.`. Nothing here imports the project: the function
 gets a base URL and a key, as any OpenAI-client agent does, and returns its reward.
 
-    python -m jobs.train --set closed_loop.endpoint.enabled=true \\
-        --set closed_loop.agent=vgbs_ray.agents.openai_agent:make_agent \\
-        --set closed_loop.agent_kwargs='{run: examples.calculator_agent:run}' \\
-        --set closed_loop.prompts=examples.calculator_agent:make_prompts \\
-        --set closed_loop.tokenizer_dir=DIR          # a checkpoint's tokenizer with a chat template
+    python -m jobs.train --set rollout.endpoint.enabled=true \\
+        --set rollout.agent=vgbs_ray.agents.openai_agent:make_agent \\
+        --set rollout.agent_kwargs='{run: examples.calculator_agent:run}' \\
+        --set rollout.prompts=examples.calculator_agent:make_prompts \\
+        --set rollout.tokenizer_dir=DIR          # a checkpoint's tokenizer with a chat template
 
 Reward: 1 for the right answer; otherwise partial credit for the digits of the right sum the
 replies contain (a from-scratch policy gets a signal; docs/agents.md). With `compact_after=k`

@@ -1,8 +1,8 @@
 """The demo's task as a user would write it: a multi-turn digit game, on the public agent API only.
 
-    closed_loop.agent: examples.digit_agent:make_agent      (keyword arguments: closed_loop.agent_kwargs)
-    closed_loop.prompts: examples.digit_agent:make_prompts
-    closed_loop.tokenizer_dir: examples/digit_tokenizer     (python -m examples.digit_agent writes it)
+    rollout.agent: examples.digit_agent:make_agent      (keyword arguments: rollout.agent_kwargs)
+    rollout.prompts: examples.digit_agent:make_prompts
+    rollout.tokenizer_dir: examples/digit_tokenizer     (python -m examples.digit_agent writes it)
 
 The user says some digits; the right answer is one digit given by a rule of them (by default the
 successor of the last digit, mod 10: the earlier digits are distractors). The model answers one

@@ -1,9 +1,9 @@
 """A LangGraph agent (langchain-openai's ChatOpenAI with a bound tool, in a tool loop), trained unchanged.
 
-    --set closed_loop.endpoint.enabled=true
-    --set closed_loop.agent=vgbs_ray.agents.openai_agent:make_agent
-    --set closed_loop.prompts=examples.calculator_agent:make_prompts   # rows {a, b}
-    --set closed_loop.agent_kwargs='{run: examples.langgraph_agent:run}'
+    --set rollout.endpoint.enabled=true
+    --set rollout.agent=vgbs_ray.agents.openai_agent:make_agent
+    --set rollout.prompts=examples.calculator_agent:make_prompts   # rows {a, b}
+    --set rollout.agent_kwargs='{run: examples.langgraph_agent:run}'
 
 LangGraph's prebuilt ReAct graph: the model node calls the endpoint with the tool bound, the tool node runs
 `add`, and the loop ends when a reply calls no tool. The reward: the last message holds the right sum.

@@ -1,6 +1,6 @@
 """A long-tail agentic workload on the public agent API: most episodes one short turn, a few many long ones.
 
-    python -m jobs.train --preset long_tail               (closed_loop.agent: examples.long_tail_agent:make_agent)
+    python -m jobs.train --preset long_tail               (rollout.agent: examples.long_tail_agent:make_agent)
 
 The digit task's prompts and tokenizer (examples/digit_agent.py). Each rollout draws its episode's shape from its
 own id (the same in every run): 79% one turn of `short_tokens`, 16% 2-4 turns of `medium_tokens`, 5% 8-16 turns

@@ -1,6 +1,6 @@
 """A function-calling agent where the tool is the only way to the reward, on the OpenAI client.
 
-    python -m jobs.train --preset tool_use        # closed_loop.endpoint.tool_parser=hermes, this agent
+    python -m jobs.train --preset tool_use        # rollout.endpoint.tool_parser=hermes, this agent
 
 The user asks for a secret digit that nothing in the conversation predicts (a fresh draw per prompt row);
 the tool `lookup` returns it. The agent offers the tool (`tools=[LOOKUP]`) and asks for one token per reply:

@@ -9,20 +9,20 @@
     loop.drain_sampled_reward()        # mean reward of the rollouts pushed since the last call
     loop.shutdown()                    # after the producers stopped
 
-Every job has this one rollout source; `closed_loop.enabled=false` only leaves the engines out
+Every job has this one rollout source; `rollout.use_engines=false` only leaves the engines out
 (`engines` is None, `publish` and `restore` do nothing): its agent makes its samples itself, like
 the synthetic preset's (examples/synthetic_agent.py).
 
 Start-up is two calls, so that vLLM and the producers start while the train group does.
 `ClosedLoop.launch` reads the prompt source (a dataset that cannot be read fails before anything
 starts), starts the engines' processes from `<output_dir>/policy_init`: the model's config.json
-and the job's tokenizer files (`closed_loop.tokenizer_dir`), no weights (vLLM starts on
+and the job's tokenizer files (`rollout.tokenizer_dir`), no weights (vLLM starts on
 placeholder weights and serves nothing before a load), and creates `num_producers`
 AgentProducers (their processes import the agent and load the tokenizer meanwhile: seconds each).
 `loop.start` publishes the train group's weights (initial or restored) as `policy_version`, waits
-until every engine loaded them, then runs the producers on the prompts: the rows of `closed_loop.dataset` (read once with
-Ray Data, shared through the object store) or the generator `closed_loop.prompts`
-(`closed_loop.num_prompts` of them). Producer i answers positions i, i + n, ... and resumes at
+until every engine loaded them, then runs the producers on the prompts: the rows of `rollout.dataset` (read once with
+Ray Data, shared through the object store) or the generator `rollout.prompts`
+(`rollout.num_prompts` of them). Producer i answers positions i, i + n, ... and resumes at
 its saved cursor, so dataset rows are answered exactly once across a resume too.
 
 `publish(group, v)` is the per-step weight sync: `publish_weights` (the train group's gather
@@ -56,7 +56,7 @@ log = logging.getLogger("vgbs.job")
 
 
 def read_dataset_rows(dataset) -> list[dict]:
-    """Every row of the `closed_loop.dataset` file(s), in file order (Ray Data, order preserved)."""
+    """Every row of the `rollout.dataset` file(s), in file order (Ray Data, order preserved)."""
     from ray import data as ray_data
 
     read = ray_data.read_parquet if dataset.resolved_format == "parquet" else ray_data.read_json
@@ -84,7 +84,7 @@ def endpoint_token(output_dir: str) -> str:
 
 def prompt_spec(config) -> PromptSpec:
     """Where the producers' prompts come from (see module docstring)."""
-    loop = config.closed_loop
+    loop = config.rollout
     if loop.dataset is not None:
         rows = read_dataset_rows(loop.dataset)
         return PromptSpec(rows=ray.put(rows), epochs=loop.dataset.epochs, shuffle_seed=loop.dataset.shuffle_seed,
@@ -98,7 +98,7 @@ def engine_start_dir(config) -> str:
     job's tokenizer files, no weights (the engines serve once the train group's first weights reached them)."""
     model_dir = os.path.abspath(os.path.join(config.run.output_dir, "policy_init"))
     shutil.rmtree(model_dir, ignore_errors=True)  # an earlier run's files, weights included, never serve
-    write_hf_config(model_dir, config.train.model, tokenizer_dir=config.closed_loop.tokenizer_dir)
+    write_hf_config(model_dir, config.train.model, tokenizer_dir=config.rollout.tokenizer_dir)
     return model_dir
 
 
@@ -112,7 +112,7 @@ class ClosedLoop:
     """The running rollout source of one job (see module docstring)."""
 
     engines: RolloutEnginePool | None
-    """None when closed_loop.enabled=false."""
+    """None when rollout.use_engines=false."""
     prompts: PromptSpec | None = None
     """Where the producers' prompts come from (read by `launch`)."""
     producers: list = field(default_factory=list)
@@ -158,14 +158,14 @@ class ClosedLoop:
     @classmethod
     def launch(cls, config, scheduler, *, policy_version: int, cursors: list[dict | None] | None = None,
                tenant: str | None = None, engines: RolloutEnginePool | None = None) -> "ClosedLoop":
-        """The engines' processes start (closed_loop.enabled) from `engine_start_dir`, serving from
+        """The engines' processes start (rollout.use_engines) from `engine_start_dir`, serving from
         `policy_version` once it is loaded, and the producers' actors are created, pushing to `scheduler`
         once `start` runs them (producer i from `cursors[i]`, its saved `cursor()`, when given). Returns
         without waiting for either, so they start while the train group does. `config` is the JobConfig.
         A multi-LoRA tenant's loop: `tenant` names its adapter, `engines` are the job's shared pool."""
-        loop_config = config.closed_loop
+        loop_config = config.rollout
         prompts = prompt_spec(config)  # a dataset that cannot be read fails before anything starts
-        if not loop_config.enabled:
+        if not loop_config.use_engines:
             loop = cls(engines=None, prompts=prompts)
         elif tenant is not None:
             loop = cls(engines=engines, prompts=prompts, weight_sync=loop_config.weight_sync, adapter=tenant,
@@ -189,7 +189,7 @@ class ClosedLoop:
         return loop
 
     def _producer_config(self, config) -> AgentProducerConfig:
-        loop_config = config.closed_loop
+        loop_config = config.rollout
         tokenizer_dir = os.path.abspath(loop_config.tokenizer_dir) if loop_config.tokenizer_dir is not None else None
         if self.engines is not None and tokenizer_dir is not None:
             tokenizer_dir = self.engines.model_dir  # the engines' copy
@@ -209,7 +209,7 @@ class ClosedLoop:
     def start(self, config, group) -> None:
         """`group`'s current weights to the engines as `policy_version` (waits for the engines and the load),
         then the producers `launch` created run. On an error everything started is shut down."""
-        loop_config = config.closed_loop
+        loop_config = config.rollout
         try:
             if self.engines is not None:
                 self.engines.wait_started()
@@ -228,7 +228,7 @@ class ClosedLoop:
             raise
 
     def restart_producers(self, scheduler, cursors: list[dict | None] | None) -> None:
-        """Every producer (closed_loop.num_producers), pushing to `scheduler`, producer i from `cursors[i]`
+        """Every producer (rollout.num_producers), pushing to `scheduler`, producer i from `cursors[i]`
         (None: from its first prompt); at the start, and after a scheduler restore (the old ones stopped)."""
         config, _, prompts = self.producer_args
         self.producer_args = (config, scheduler, prompts)

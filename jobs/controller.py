@@ -115,7 +115,7 @@ class RunController:
         self._cursors = list(cursors or [None] * len(self.loop.producers))
         self.producer_watch = ProducerWatch(self.loop.producers)
         if self.loop.engines is not None:
-            self.engine_watch = EngineWatch(self.loop.engines, hang_timeout_s=config.closed_loop.engines.call_timeout_s)
+            self.engine_watch = EngineWatch(self.loop.engines, hang_timeout_s=config.rollout.engines.call_timeout_s)
 
     # -- events -----------------------------------------------------------------------------
 

@@ -2,8 +2,8 @@
 
     JobConfig
       run          RunConfig          steps, outputs, checkpoints, Ray address
-      closed_loop  ClosedLoopConfig   the rollouts: an agent in producers, sampling vLLM engines on the policy
-                                      (the digit task; enabled=false: no engines, the agent makes its samples)
+      rollout      RolloutConfig      the rollouts: an agent in producers, sampling vLLM engines on the policy
+                                      (the digit task; use_engines=false: no engines, the agent makes its samples)
       scheduler    SchedulerConfig    batch (gbs in rollouts, token cap, balance, leftover), buffers
       train        TrainGroupConfig   model, optimizer, loss, parallel sizes, placement
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import ClassVar, Literal
 
 from actors.rollout_engine import EngineConfig
 from actors.weight_sync import WeightSyncConfig
@@ -127,10 +127,10 @@ class EndpointConfig:
 
     def __post_init__(self):
         if self.tool_parser is not None and (not isinstance(self.tool_parser, str) or not self.tool_parser):
-            raise ConfigError(f"closed_loop.endpoint.tool_parser must be a vLLM parser name, 'none' or null, got "
+            raise ConfigError(f"rollout.endpoint.tool_parser must be a vLLM parser name, 'none' or null, got "
                               f"{self.tool_parser!r}")
         if self.host not in ("loopback", "node"):
-            raise ConfigError(f"closed_loop.endpoint.host={self.host!r} must be 'loopback' or 'node' (the node's "
+            raise ConfigError(f"rollout.endpoint.host={self.host!r} must be 'loopback' or 'node' (the node's "
                               "private address); the endpoint never listens on every interface")
 
 
@@ -151,14 +151,14 @@ class DatasetConfig:
 
     def __post_init__(self):
         if not self.path:
-            raise ConfigError("closed_loop.dataset.path must name a JSON Lines or Parquet file")
+            raise ConfigError("rollout.dataset.path must name a JSON Lines or Parquet file")
         if self.format not in ("auto", "json", "parquet"):
-            raise ConfigError(f"closed_loop.dataset.format must be auto, json or parquet, got {self.format!r}")
+            raise ConfigError(f"rollout.dataset.format must be auto, json or parquet, got {self.format!r}")
         if self.resolved_format is None:
-            raise ConfigError(f"closed_loop.dataset.path={self.path!r}: cannot tell the format from the extension; "
-                              "set closed_loop.dataset.format to json or parquet")
+            raise ConfigError(f"rollout.dataset.path={self.path!r}: cannot tell the format from the extension; "
+                              "set rollout.dataset.format to json or parquet")
         if not isinstance(self.epochs, int) or self.epochs < 1:
-            raise ConfigError(f"closed_loop.dataset.epochs must be an integer >= 1, got {self.epochs!r}")
+            raise ConfigError(f"rollout.dataset.epochs must be an integer >= 1, got {self.epochs!r}")
 
     @property
     def resolved_format(self) -> str | None:
@@ -173,7 +173,7 @@ class DatasetConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ClosedLoopConfig:
+class RolloutConfig:
     """The job's rollouts: `num_producers` AgentProducers run the agent named by `agent` in GRPO
     groups of `group_size` on prompt rows (from `dataset`, or from `prompts`) and push the samples
     to the scheduler. docs/agents.md says how to write one.
@@ -182,7 +182,7 @@ class ClosedLoopConfig:
     and load every version it publishes (one per optimizer step); the agents sample them.
     """
 
-    enabled: bool = True
+    use_engines: bool = True
     """Whether rollout engines run. false: none; the agent makes its samples itself (ctx.add_sample), as the
     synthetic preset's does (`--preset synthetic`), and their versions are not bounded (no staleness rules)."""
     agent: str = f"{DIGIT_AGENT}:make_agent"
@@ -198,7 +198,7 @@ class ClosedLoopConfig:
     """Prompt positions answered over all producers (None: every dataset row of every epoch; a generator's are
     endless, and the run ends at run.num_steps)."""
     dataset: DatasetConfig | None = None
-    """Prompt rows from a file (set closed_loop.dataset.path=...); takes the place of `prompts`."""
+    """Prompt rows from a file (set rollout.dataset.path=...); takes the place of `prompts`."""
     tokenizer_dir: str | None = "examples/digit_tokenizer"
     """A Hugging Face tokenizer directory (tokenizer.json, chat template) that chat sessions and the engines
     use, copied next to the policy's weights; None = token-id-only agents."""
@@ -231,21 +231,21 @@ class ClosedLoopConfig:
         for name in ("num_producers", "groups_in_flight", "group_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"closed_loop.{name} must be an integer >= 1, got {value!r}")
+                raise ConfigError(f"rollout.{name} must be an integer >= 1, got {value!r}")
         if self.group_size < 2:
-            raise ConfigError(f"closed_loop.group_size must be >= 2: GRPO advantages compare a group's rollouts, "
+            raise ConfigError(f"rollout.group_size must be >= 2: GRPO advantages compare a group's rollouts, "
                               f"got {self.group_size}")
         if not isinstance(self.agent, str) or self.agent.count(":") != 1:
-            raise ConfigError(f"closed_loop.agent={self.agent!r} must be an import path 'module:function'")
+            raise ConfigError(f"rollout.agent={self.agent!r} must be an import path 'module:function'")
         if self.dataset is None and not self.prompts:
-            raise ConfigError("closed_loop needs prompts: set closed_loop.dataset.path (a file) or closed_loop.prompts "
+            raise ConfigError("rollout needs prompts: set rollout.dataset.path (a file) or rollout.prompts "
                               "(a generator's import path)")
         if self.timeout_s <= 0:
-            raise ConfigError(f"closed_loop.timeout_s must be > 0 seconds, got {self.timeout_s}")
+            raise ConfigError(f"rollout.timeout_s must be > 0 seconds, got {self.timeout_s}")
         if self.num_prompts is not None and (not isinstance(self.num_prompts, int) or self.num_prompts < 1):
-            raise ConfigError(f"closed_loop.num_prompts must be an integer >= 1 or null, got {self.num_prompts!r}")
+            raise ConfigError(f"rollout.num_prompts must be an integer >= 1 or null, got {self.num_prompts!r}")
         if not 0 <= self.sample_push_fraction <= 1:
-            raise ConfigError(f"closed_loop.sample_push_fraction must be in [0, 1], got {self.sample_push_fraction}")
+            raise ConfigError(f"rollout.sample_push_fraction must be in [0, 1], got {self.sample_push_fraction}")
 
 
 def _default_scheduler() -> SchedulerConfig:
@@ -266,7 +266,7 @@ def _default_train() -> TrainGroupConfig:
 class TenantConfig:
     """One multi-LoRA tenant (docs/lora.md): its own adapter, optimizer, agent, prompts, global batch and steps over
     the job's one base model, train group and engine pool. What it leaves unset it takes from the job's sections
-    (closed_loop, scheduler.batch, train.optimizer, run.num_steps)."""
+    (rollout, scheduler.batch, train.optimizer, run.num_steps)."""
 
     name: str
     """Letters, digits and underscores: names its adapter, its actors and its output directory."""
@@ -278,13 +278,13 @@ class TenantConfig:
     prompts: str | None = None
     prompts_kwargs: dict | None = None
     num_prompts: int | None = None
-    """Prompt positions it answers (None: closed_loop.num_prompts)."""
+    """Prompt positions it answers (None: rollout.num_prompts)."""
     global_batch_size: int | None = None
     """Its steps' size, in its own rollouts (None: scheduler.batch.global_batch_size)."""
     num_steps: int | None = None
     """Its optimizer steps (None: run.num_steps)."""
     seed: int | None = None
-    """Its prompts' and sampling seed (None: closed_loop.seed + its index)."""
+    """Its prompts' and sampling seed (None: rollout.seed + its index)."""
 
     def __post_init__(self):
         check_adapter_name(self.name)
@@ -296,8 +296,12 @@ class TenantConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class JobConfig:
+    moved_keys: ClassVar[dict[str, str]] = {
+        "closed_loop": "rollout.<key> (the section was renamed: it holds the rollouts whether or not engines close a "
+                       "loop; closed_loop.enabled is rollout.use_engines)"}
+
     run: RunConfig = field(default_factory=RunConfig)
-    closed_loop: ClosedLoopConfig = field(default_factory=ClosedLoopConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     scheduler: SchedulerConfig = field(default_factory=_default_scheduler)
     train: TrainGroupConfig = field(default_factory=_default_train)
     tenants: tuple[TenantConfig, ...] = ()
@@ -309,8 +313,8 @@ class JobConfig:
         if self.tenants:
             self._check_tenants()
         model = self.train.model
-        if self.closed_loop.enabled:
-            self._check_closed_loop()
+        if self.rollout.use_engines:
+            self._check_rollout()
         else:
             self._check_no_engines()
         self._check_token_budget()
@@ -337,8 +341,8 @@ class JobConfig:
         if len(set(names)) != len(names):
             raise ConfigError(f"tenants: two tenants named alike: {names}")
         refusals = {"train.lora": self.train.lora is not None,
-                    "closed_loop.enabled=false": not self.closed_loop.enabled,
-                    "closed_loop.endpoint.enabled": self.closed_loop.endpoint.enabled}
+                    "rollout.use_engines=false": not self.rollout.use_engines,
+                    "rollout.endpoint.enabled": self.rollout.endpoint.enabled}
         refused = [key for key, set_ in refusals.items() if set_]
         if refused:
             raise ConfigError(f"tenants: {refused} are not supported with tenants (each tenant has its own "
@@ -353,7 +357,7 @@ class JobConfig:
         """The job as tenant `index` sees it: its agent, prompts, batch, steps and seed in the job's sections; the
         train group trains every tenant's adapter (jobs/tenants.py)."""
         tenant = self.tenants[index]
-        loop = self.closed_loop
+        loop = self.rollout
         loop = replace(loop, agent=tenant.agent or loop.agent,
                        agent_kwargs=loop.agent_kwargs if tenant.agent_kwargs is None else tenant.agent_kwargs,
                        prompts=tenant.prompts or loop.prompts,
@@ -364,7 +368,7 @@ class JobConfig:
                         or self.scheduler.batch.global_batch_size)
         run = replace(self.run, num_steps=tenant.num_steps or self.run.num_steps,
                       output_dir=os.path.join(self.run.output_dir, "tenants", tenant.name))
-        return replace(self, run=run, closed_loop=loop, scheduler=replace(self.scheduler, batch=batch),
+        return replace(self, run=run, rollout=loop, scheduler=replace(self.scheduler, batch=batch),
                        train=self.train_with_tenants(), tenants=())
 
     def train_with_tenants(self) -> TrainGroupConfig:
@@ -374,39 +378,39 @@ class JobConfig:
             for t in self.tenants))
 
     def _check_no_engines(self) -> None:
-        """closed_loop.enabled=false turns the rollout engines off: an agent that samples them cannot run."""
-        loop = self.closed_loop
+        """rollout.use_engines=false turns the rollout engines off: an agent that samples them cannot run."""
+        loop = self.rollout
         if loop.endpoint.enabled:
-            raise ConfigError("closed_loop.endpoint.enabled=true serves the rollout engines, which "
-                              "closed_loop.enabled=false turns off: set closed_loop.enabled=true, or turn the endpoint off")
+            raise ConfigError("rollout.endpoint.enabled=true serves the rollout engines, which "
+                              "rollout.use_engines=false turns off: set rollout.use_engines=true, or turn the endpoint off")
         if loop.agent.split(":")[0] == DIGIT_AGENT:
-            raise ConfigError(f"closed_loop.enabled=false turns the rollout engines off, but closed_loop.agent="
-                              f"{loop.agent} samples them (ctx.chat): keep closed_loop.enabled=true, or run an agent "
+            raise ConfigError(f"rollout.use_engines=false turns the rollout engines off, but rollout.agent="
+                              f"{loop.agent} samples them (ctx.chat): keep rollout.use_engines=true, or run an agent "
                               "that makes its samples itself (ctx.add_sample), e.g. --preset synthetic")
 
     def _check_token_budget(self) -> None:
         budget = self.scheduler.admission_token_budget
         if budget is None:
             return
-        if not self.closed_loop.enabled:
+        if not self.rollout.use_engines:
             raise ConfigError(f"scheduler.admission_token_budget={budget} admits groups against the engines' tokens, "
-                              "and closed_loop.enabled=false runs no engines: set closed_loop.enabled=true or leave "
+                              "and rollout.use_engines=false runs no engines: set rollout.use_engines=true or leave "
                               "the budget out")
         if budget == ENGINES_BUDGET:
             if self.tenants:
                 raise ConfigError("scheduler.admission_token_budget=engines gives one scheduler the engines' whole KV "
                                   "cache, and tenants share the engines: give the budget in tokens, or leave it out")
             return
-        longest = self.closed_loop.engines.max_model_len
+        longest = self.rollout.engines.max_model_len
         if budget < longest:
             raise ConfigError(f"scheduler.admission_token_budget={budget} tokens is smaller than one request may be "
-                              f"(closed_loop.engines.max_model_len={longest}): raise the budget (the engines' KV "
+                              f"(rollout.engines.max_model_len={longest}): raise the budget (the engines' KV "
                               "cache in tokens, over all engines) or lower max_model_len")
 
-    def _check_closed_loop(self) -> None:
-        loop, model = self.closed_loop, self.train.model
+    def _check_rollout(self) -> None:
+        loop, model = self.rollout, self.train.model
         if loop.engines.max_model_len > model.max_position_embeddings:
-            raise ConfigError(f"closed_loop.engines.max_model_len={loop.engines.max_model_len} exceeds "
+            raise ConfigError(f"rollout.engines.max_model_len={loop.engines.max_model_len} exceeds "
                               f"train.model.max_position_embeddings={model.max_position_embeddings}")
         if not self.scheduler.intake.drop_uniform_groups:
             raise ConfigError("scheduler.intake.drop_uniform_groups must be true in the closed loop: a group whose "
@@ -423,13 +427,13 @@ class JobConfig:
         so the scheduler rejects a sample the model could not take (token_range, sequence_length)."""
         intake, model = self.scheduler.intake, self.train.model
         scheduler = self.scheduler
-        if self.closed_loop.enabled and self.max_staleness is not None:
+        if self.rollout.use_engines and self.max_staleness is not None:
             # The scheduler enforces the bound the loss was configured for (one number, one place);
             # synthetic rollouts carry no policy versions, so there is nothing to bound without the loop.
             scheduler = replace(scheduler, max_staleness=self.max_staleness)
         if scheduler.admission_token_budget is not None and scheduler.admission_tokens_per_rollout is None:
             # Before any rollout completed, expect the longest request an engine takes (the budget then learns).
-            scheduler = replace(scheduler, admission_tokens_per_rollout=self.closed_loop.engines.max_model_len)
+            scheduler = replace(scheduler, admission_tokens_per_rollout=self.rollout.engines.max_model_len)
         return replace(scheduler, intake=replace(
             intake,
             vocab_size=intake.vocab_size if intake.vocab_size is not None else model.vocab_size,
@@ -456,13 +460,13 @@ def synthetic_preset() -> JobConfig:
     versions and no behaviour log-probs (so on-policy ppo), tokens over 128 ids, half its groups pushed sample
     by sample, some uniform or malformed; 30 prompts in groups of 2 at gbs 8 show full and partial steps in
     8 steps, a checkpoint every 2."""
-    closed_loop = ClosedLoopConfig(
-        enabled=False, agent=f"{SYNTHETIC_AGENT}:make_agent", prompts=f"{SYNTHETIC_AGENT}:make_prompts",
+    rollout = RolloutConfig(
+        use_engines=False, agent=f"{SYNTHETIC_AGENT}:make_agent", prompts=f"{SYNTHETIC_AGENT}:make_prompts",
         num_prompts=30, group_size=2, groups_in_flight=4, tokenizer_dir=None, sample_push_fraction=0.5)
     scheduler = _default_scheduler()
     train = _default_train()
     return JobConfig(
-        run=RunConfig(num_steps=8, checkpoint_every=2), closed_loop=closed_loop,
+        run=RunConfig(num_steps=8, checkpoint_every=2), rollout=rollout,
         scheduler=replace(scheduler, batch=replace(scheduler.batch, global_batch_size=8)),
         train=replace(train, model=ModelConfig(), optimizer=OptimizerConfig(),
                       loss=replace(train.loss, policy="ppo", off_policy=OffPolicyConfig(max_staleness=0))))
@@ -474,9 +478,9 @@ def long_tail_preset() -> JobConfig:
     digit task's reward, so it learns. For measuring the engines and the scheduler on the workload the project
     exists for (benchmarks/bench_long_tail_job.py)."""
     base = JobConfig()
-    loop = replace(base.closed_loop, agent=f"{LONG_TAIL_AGENT}:make_agent",
-                   engines=replace(base.closed_loop.engines, max_model_len=256))
-    return replace(base, closed_loop=loop, run=replace(base.run, num_steps=40))
+    loop = replace(base.rollout, agent=f"{LONG_TAIL_AGENT}:make_agent",
+                   engines=replace(base.rollout.engines, max_model_len=256))
+    return replace(base, rollout=loop, run=replace(base.run, num_steps=40))
 
 
 def tool_use_preset() -> JobConfig:
@@ -485,13 +489,13 @@ def tool_use_preset() -> JobConfig:
     (examples/lookup_tokenizer). 128 rollouts a step (16 prompts x 8): the sampled reward rises from chance (~0.1)
     as the share of first replies that are valid calls rises (docs/agents.md, "A task where the tool is the way")."""
     base = JobConfig()
-    loop = replace(base.closed_loop, agent="vgbs_ray.agents.openai_agent:make_agent",
+    loop = replace(base.rollout, agent="vgbs_ray.agents.openai_agent:make_agent",
                    agent_kwargs={"run": f"{LOOKUP_AGENT}:run"}, prompts=f"{LOOKUP_AGENT}:make_prompts",
                    tokenizer_dir="examples/lookup_tokenizer", groups_in_flight=16,
-                   endpoint=replace(base.closed_loop.endpoint, enabled=True, tool_parser="hermes"))
+                   endpoint=replace(base.rollout.endpoint, enabled=True, tool_parser="hermes"))
     scheduler = replace(base.scheduler, batch=replace(base.scheduler.batch, global_batch_size=128))
     train = replace(base.train, model=replace(base.train.model, vocab_size=LOOKUP_VOCAB_SIZE))
-    return replace(base, closed_loop=loop, scheduler=scheduler, train=train, run=replace(base.run, num_steps=120))
+    return replace(base, rollout=loop, scheduler=scheduler, train=train, run=replace(base.run, num_steps=120))
 
 
 PRESETS = {"closed_loop": closed_loop_preset, "synthetic": synthetic_preset, "long_tail": long_tail_preset,
@@ -518,7 +522,7 @@ def load_job_config(path: str | None = None, overrides: list[str] | tuple[str, .
         batch = replace(config.scheduler.batch, balance="flops", flops_model=config.train.model.flops_model)
         config = replace(config, scheduler=replace(config.scheduler, batch=batch))
     config.train.loss.build()
-    endpoint = config.closed_loop.endpoint
+    endpoint = config.rollout.endpoint
     if endpoint.enabled and endpoint.tool_parser not in (None, "none"):
         try:
             check_parser_name(endpoint.tool_parser)  # imports vLLM: only for a parser named by hand
@@ -540,7 +544,7 @@ def _without_flops_balance(mapping: dict) -> tuple[dict, bool]:
 def _with_checkpoint_model(mapping: dict) -> dict:
     """`train.model.hf_checkpoint_dir=DIR` alone is enough: the model's family and shape come from
     DIR/config.json (fields also given must agree; the model build names any that differ), and the
-    closed loop's tokenizer is DIR's own unless `closed_loop.tokenizer_dir` is given (None when DIR has
+    closed loop's tokenizer is DIR's own unless `rollout.tokenizer_dir` is given (None when DIR has
     none: token-id-only agents)."""
     model = (mapping.get("train") or {}).get("model") or {}
     path = model.get("hf_checkpoint_dir")
@@ -554,9 +558,9 @@ def _with_checkpoint_model(mapping: dict) -> dict:
         fields = model_fields_from_hf_config(json.load(handle), file)
     fields.update(model, hf_checkpoint_dir=os.path.abspath(path))
     mapping = dict(mapping, train=dict(mapping["train"], model=fields))
-    loop = mapping.get("closed_loop") or {}
+    loop = mapping.get("rollout") or {}
     if "tokenizer_dir" not in loop:
-        mapping["closed_loop"] = dict(loop, tokenizer_dir=os.path.abspath(path) if has_tokenizer(path) else None)
+        mapping["rollout"] = dict(loop, tokenizer_dir=os.path.abspath(path) if has_tokenizer(path) else None)
     return mapping
 
 

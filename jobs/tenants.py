@@ -105,7 +105,7 @@ class TenantJob:
         config = self.config
         train = config.train_with_tenants()
         adapters = tuple((name, adapter.lora) for name, adapter in train.adapters.items())
-        self.engines = RolloutEnginePool(dataclasses.replace(config.closed_loop.engines, lora_adapters=adapters),
+        self.engines = RolloutEnginePool(dataclasses.replace(config.rollout.engines, lora_adapters=adapters),
                                          engine_start_dir(config), policy_version=0, wait=False)
         resume_from = latest_checkpoint(config.run.output_dir) if config.run.resume else None
         for index, tenant in enumerate(config.tenants):
@@ -134,7 +134,7 @@ class TenantJob:
                 tenant.recorder = StepRecorder(os.path.join(tenant.config.run.output_dir, "steps.jsonl"),
                                                append=self.resumed)
         print(f"tenants: {', '.join(t.name for t in self.tenants)} over one base, "
-              f"{config.closed_loop.engines.num_engines} rollout engine(s)", flush=True)
+              f"{config.rollout.engines.num_engines} rollout engine(s)", flush=True)
 
     def run(self) -> dict:
         started = time.monotonic()

@@ -7,7 +7,7 @@
         python -m jobs.train --set run.ray_address=auto
 
 The default is the closed loop (jobs/closed_loop.py): vLLM engines start from the policy's
-initial weights, AgentProducers run the configured agent (closed_loop.agent; the demo's digit
+initial weights, AgentProducers run the configured agent (rollout.agent; the demo's digit
 agent by default, docs/agents.md) through them, and after every optimizer
 step the train group publishes its weights (policy version = steps trained) and the engines load
 them without the trainer waiting. The synthetic preset runs the same producers with the
@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="the whole config to start from (default: the YAML's `preset:`, else closed_loop)")
-    parser.add_argument("--config", help="YAML file with sections run, closed_loop, scheduler, train, and optionally "
+    parser.add_argument("--config", help="YAML file with sections run, rollout, scheduler, train, and optionally "
                                          "`preset: NAME`; its keys change the preset's")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override one option, e.g. --set scheduler.batch.global_batch_size=6 (repeatable)")
@@ -87,18 +87,18 @@ def init_ray(config: JobConfig) -> bool:
 
 def check_tokenizer_fits(config: JobConfig) -> None:
     """The closed loop's tokenizer must fit the model's vocabulary (every id it makes is a model token)."""
-    loop = config.closed_loop
-    if not loop.enabled:
+    loop = config.rollout
+    if not loop.use_engines:
         return
     if loop.tokenizer_dir is None:
-        log.info("closed_loop.tokenizer_dir is not set: agents get token ids only (ctx.chat needs a tokenizer)")
+        log.info("rollout.tokenizer_dir is not set: agents get token ids only (ctx.chat needs a tokenizer)")
         return
     if not os.path.isdir(loop.tokenizer_dir):
-        raise ConfigError(f"closed_loop.tokenizer_dir={loop.tokenizer_dir!r} is not a directory (run from the "
+        raise ConfigError(f"rollout.tokenizer_dir={loop.tokenizer_dir!r} is not a directory (run from the "
                           "project's root, or give an absolute path)")
     size = tokenizer_size(loop.tokenizer_dir)
     if size > config.train.model.vocab_size:
-        raise ConfigError(f"closed_loop.tokenizer_dir={loop.tokenizer_dir!r} has {size} tokens but train.model."
+        raise ConfigError(f"rollout.tokenizer_dir={loop.tokenizer_dir!r} has {size} tokens but train.model."
                           f"vocab_size={config.train.model.vocab_size}: raise the vocabulary to at least {size}")
 
 
@@ -185,9 +185,9 @@ class Job:
             print(f"resumed from {resume_from} at step {self.first_step} (policy version {resume.policy_version}, "
                   f"{resume.scheduler_state.num_live_rollouts} untrained rollouts restored)", flush=True)
         loop = self.controller.loop
-        engines = (f"{config.closed_loop.engines.num_engines} rollout engine(s) at policy version {self.first_step}"
+        engines = (f"{config.rollout.engines.num_engines} rollout engine(s) at policy version {self.first_step}"
                    if loop.engines is not None else "no rollout engines")
-        print(f"rollouts: {engines}, {len(loop.producers)} producers of {config.closed_loop.agent} "
+        print(f"rollouts: {engines}, {len(loop.producers)} producers of {config.rollout.agent} "
               f"({time.monotonic() - started:.1f} s to start them and the train group)", flush=True)
 
     # -- run --------------------------------------------------------------------------------

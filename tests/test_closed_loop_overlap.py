@@ -54,7 +54,7 @@ pytestmark = pytest.mark.slow
 
 STEPS, WARM_UP, HOLD = 16, 2, 8
 HOLD_TIMEOUT_S = 600  # generous: the hold ends on an event (step HOLD + 1 formed), never on this clock
-SMALL = ["scheduler.batch.global_batch_size=32", "closed_loop.groups_in_flight=4",
+SMALL = ["scheduler.batch.global_batch_size=32", "rollout.groups_in_flight=4",
          f"run.num_steps={STEPS}", "run.checkpoint_every=0", "run.max_failures=0", "run.plot=false"]
 CONFIGS = {0: ["train.loss.off_policy.max_staleness=0", "train.loss.policy=ppo"],
            1: ["train.loss.off_policy.max_staleness=1", "train.loss.policy=decoupled_ppo",

@@ -3,7 +3,7 @@ channel.
 
 One job (in this process: real engine, producers, scheduler and Megatron ranks) takes both deaths, at events
 the job reports (`on_event`), never after a sleep: a job start costs more than its steps on 2 cores. It syncs
-weights over the weight channel (`closed_loop.weight_sync.transport=collective`): each recovery's new train
+weights over the weight channel (`rollout.weight_sync.transport=collective`): each recovery's new train
 group opens a new channel from its rank 0 to the same engines, and sends the restored weights as the restored
 step's version. Every step of the final history trained once, with its policy version equal to its step and
 staleness within the bound. The default transport (`object_store`) goes through the death of an engine, a
@@ -48,7 +48,7 @@ def test_a_killed_engine_scheduler_and_rank_are_each_recovered_over_the_channel_
     steps, rank_kill_at = 12, 2 * CHECKPOINT_EVERY + 1
     config = load_job_config(None, [f"run.output_dir={tmp_path}", f"run.num_steps={steps}", "run.plot=false",
                                     f"run.checkpoint_every={CHECKPOINT_EVERY}",
-                                    "closed_loop.weight_sync.transport=collective", "closed_loop.engines.num_engines=2"])
+                                    "rollout.weight_sync.transport=collective", "rollout.engines.num_engines=2"])
     killed = {}
 
     def kill(event, step, controller):

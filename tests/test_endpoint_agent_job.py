@@ -80,11 +80,11 @@ def test_the_calculator_agent_trains_through_the_endpoint_token_for_token(tmp_pa
     kwargs = {"samples_path": str(samples_path), "run": "examples.calculator_agent:run",
               "run_kwargs": {"compact_after": 1, "transcript_path": str(transcript_path)}}
     items = [f"run.output_dir={out}", f"run.ray_address={cluster_address}", "run.plot=false", "run.num_steps=3", "run.checkpoint_every=0",
-             "closed_loop.endpoint.enabled=true", "closed_loop.agent=my_agents.recording:make_agent",
-             f"closed_loop.agent_kwargs={json.dumps(kwargs)}",
-             "closed_loop.prompts=examples.calculator_agent:make_prompts", f"closed_loop.tokenizer_dir={tokenizer_dir}",
-             "closed_loop.group_size=4", "closed_loop.groups_in_flight=2", "closed_loop.num_producers=1",
-             "closed_loop.timeout_s=120", "closed_loop.engines.max_model_len=256", "train.model.vocab_size=400",
+             "rollout.endpoint.enabled=true", "rollout.agent=my_agents.recording:make_agent",
+             f"rollout.agent_kwargs={json.dumps(kwargs)}",
+             "rollout.prompts=examples.calculator_agent:make_prompts", f"rollout.tokenizer_dir={tokenizer_dir}",
+             "rollout.group_size=4", "rollout.groups_in_flight=2", "rollout.num_producers=1",
+             "rollout.timeout_s=120", "rollout.engines.max_model_len=256", "train.model.vocab_size=400",
              "scheduler.batch.global_batch_size=8"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-m", "jobs.train", *[a for item in items for a in ("--set", item)]],

@@ -47,9 +47,9 @@ pytestmark = pytest.mark.slow
 # complete) and any group whose two rewards are equal (dropped as uniform): ~7 steps of 4, the last partial.
 RUN = [
     *synthetic_producers(),
-    "closed_loop.num_producers=2", "closed_loop.num_prompts=16", "closed_loop.group_size=2",
-    "closed_loop.prompts_kwargs.uniform_group_fraction=0", "closed_loop.prompts_kwargs.bad_rollout_fraction=0.1",
-    "closed_loop.agent_kwargs.max_delay_s=0.05", "scheduler.batch.global_batch_size=4", "run.num_steps=50",
+    "rollout.num_producers=2", "rollout.num_prompts=16", "rollout.group_size=2",
+    "rollout.prompts_kwargs.uniform_group_fraction=0", "rollout.prompts_kwargs.bad_rollout_fraction=0.1",
+    "rollout.agent_kwargs.max_delay_s=0.05", "scheduler.batch.global_batch_size=4", "run.num_steps=50",
     "run.checkpoint_every=2", "run.max_failures=2", "run.plot=false",
 ]
 
@@ -145,8 +145,8 @@ def test_two_killed_train_ranks_are_recovered_and_every_rollout_trains_exactly_o
 
 def test_a_run_that_reaches_its_last_step_stops_producers_first_and_fails_nothing(ray_session, tmp_path, capfd):
     # Producers of an endless prompt source, still pushing when the run ends.
-    summary, history = run_job(tmp_path / "short", extra=["run.num_steps=2", "closed_loop.num_prompts=null",
-                                                          "closed_loop.agent_kwargs.max_delay_s=0.2"])
+    summary, history = run_job(tmp_path / "short", extra=["run.num_steps=2", "rollout.num_prompts=null",
+                                                          "rollout.agent_kwargs.max_delay_s=0.2"])
     assert summary["steps"] == 2 and len(history) == 2
     states = summary["rollouts_by_state"]
     # Every accepted rollout ends trained or dropped: what the stopped run never trained is run_ended.
@@ -169,7 +169,7 @@ def test_a_killed_scheduler_stops_the_run_with_what_was_lost(ray_session, tmp_pa
             ray.kill(controller.scheduler)
 
     with pytest.raises(SchedulerLostError) as failure:
-        run_job(tmp_path / "lost", extra=["closed_loop.num_prompts=40", "run.max_failures=0"], on_event=kill_scheduler)
+        run_job(tmp_path / "lost", extra=["rollout.num_prompts=40", "run.max_failures=0"], on_event=kill_scheduler)
     stopped_after_s = time.monotonic() - killed["at"]
     message = str(failure.value)
     assert "SchedulerActor died at step 3" in message and "buffered rollouts" in message
@@ -225,9 +225,9 @@ def test_a_producer_killed_mid_rollout_is_restarted_or_leaves_that_rollout_incom
     # incomplete rollout below is the kill's). run.max_failures=0: the dead producer stays dead.
     out = tmp_path / "producer"
     summary, history = run_job(out, on_event=kill_producer_mid_rollout, extra=[
-        "closed_loop.num_prompts=20", "closed_loop.agent_kwargs.max_delay_s=0.3", "closed_loop.groups_in_flight=1",
-        "closed_loop.prompts_kwargs.bad_rollout_fraction=0", "closed_loop.sample_push_fraction=1.0",
-        "closed_loop.agent_kwargs.multi_sample_fraction=0.8", f"run.max_failures={2 if restart else 0}"])
+        "rollout.num_prompts=20", "rollout.agent_kwargs.max_delay_s=0.3", "rollout.groups_in_flight=1",
+        "rollout.prompts_kwargs.bad_rollout_fraction=0", "rollout.sample_push_fraction=1.0",
+        "rollout.agent_kwargs.multi_sample_fraction=0.8", f"run.max_failures={2 if restart else 0}"])
 
     assert killed["held"], killed
     assert summary["producers"]["input_closed"]

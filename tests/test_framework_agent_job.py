@@ -66,13 +66,13 @@ def test_agents_sdk_and_langgraph_agents_train_three_steps(tmp_path, cluster_add
     (tmp_path / "my_agents" / "dispatch.py").write_text(textwrap.dedent(DISPATCHER))
     record, out = tmp_path / "rollouts.jsonl", tmp_path / "run"
     items = [f"run.output_dir={out}", f"run.ray_address={cluster_address}", "run.plot=false", "run.num_steps=3",
-             "run.checkpoint_every=0", "closed_loop.endpoint.enabled=true", "closed_loop.endpoint.tool_parser=hermes",
-             "closed_loop.agent=my_agents.dispatch:make_agent",
-             f"closed_loop.agent_kwargs={json.dumps({'record_path': str(record)})}",
-             "closed_loop.prompts=examples.calculator_agent:make_prompts", f"closed_loop.tokenizer_dir={tokenizer_dir}",
-             "closed_loop.group_size=4", "closed_loop.groups_in_flight=2", "closed_loop.num_producers=1",
-             "closed_loop.timeout_s=120", "closed_loop.engines.max_model_len=256", "train.model.vocab_size=400",
-             "scheduler.batch.global_batch_size=8", "closed_loop.record_samples=true"]
+             "run.checkpoint_every=0", "rollout.endpoint.enabled=true", "rollout.endpoint.tool_parser=hermes",
+             "rollout.agent=my_agents.dispatch:make_agent",
+             f"rollout.agent_kwargs={json.dumps({'record_path': str(record)})}",
+             "rollout.prompts=examples.calculator_agent:make_prompts", f"rollout.tokenizer_dir={tokenizer_dir}",
+             "rollout.group_size=4", "rollout.groups_in_flight=2", "rollout.num_producers=1",
+             "rollout.timeout_s=120", "rollout.engines.max_model_len=256", "train.model.vocab_size=400",
+             "scheduler.batch.global_batch_size=8", "rollout.record_samples=true"]
     # Run from the user's directory (as `python -m jobs.train` there), attached to the tests' cluster.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-m", "jobs.train", *[a for item in items for a in ("--set", item)]],

@@ -27,8 +27,8 @@ def test_embedded_default_is_the_tiny_local_run():
     # The closed loop is the default: the digit agent's tokenizer is the vocabulary, staleness 1 with its correction.
     from transformers import AutoTokenizer
 
-    assert config.closed_loop.enabled and config.closed_loop.agent == "examples.digit_agent:make_agent"
-    assert config.train.model.vocab_size == len(AutoTokenizer.from_pretrained(ROOT / config.closed_loop.tokenizer_dir))
+    assert config.rollout.use_engines and config.rollout.agent == "examples.digit_agent:make_agent"
+    assert config.train.model.vocab_size == len(AutoTokenizer.from_pretrained(ROOT / config.rollout.tokenizer_dir))
     assert config.train.loss.off_policy.max_staleness == 1
     assert config.train.loss.policy == "decoupled_ppo"
 
@@ -36,25 +36,25 @@ def test_embedded_default_is_the_tiny_local_run():
 def test_the_synthetic_preset_is_a_whole_config_and_explicit_keys_still_win():
     config = load_job_config(None, preset="synthetic")
     assert config == synthetic_preset() == load_job_config(None, ["preset=synthetic"])
-    assert not config.closed_loop.enabled
+    assert not config.rollout.use_engines
     assert config.scheduler.batch.global_batch_size == 8 and config.run.num_steps == 8
     assert config.train.loss.policy == "ppo" and config.train.loss.off_policy.max_staleness == 0
     assert config.scheduler_with_model_limits().max_staleness is None  # synthetic rollouts carry no versions
     assert config.train.model.vocab_size == 128  # the synthetic agent's default vocabulary
     # One rollout source: the synthetic preset is an agent like any other, with no tokenizer and no engines.
-    assert config.closed_loop.agent == "examples.synthetic_agent:make_agent"
-    assert config.closed_loop.prompts == "examples.synthetic_agent:make_prompts"
-    assert config.closed_loop.tokenizer_dir is None and config.closed_loop.num_prompts == 30
-    assert 0 < config.closed_loop.sample_push_fraction < 1
+    assert config.rollout.agent == "examples.synthetic_agent:make_agent"
+    assert config.rollout.prompts == "examples.synthetic_agent:make_prompts"
+    assert config.rollout.tokenizer_dir is None and config.rollout.num_prompts == 30
+    assert 0 < config.rollout.sample_push_fraction < 1
     assert config.train.optimizer.lr_schedule.lr == 1e-4
     mine = load_job_config(None, ["preset=synthetic", "scheduler.batch.global_batch_size=6"])
     assert mine.scheduler.batch.global_batch_size == 6 and mine.run.num_steps == 8
     # Engines off on the closed-loop preset is only that: no other default changes (with an agent that makes
     # its own samples; the digit agent samples the engines, which is refused).
-    own_samples = ["closed_loop.enabled=false", "closed_loop.agent=examples.synthetic_agent:make_agent"]
+    own_samples = ["rollout.use_engines=false", "rollout.agent=examples.synthetic_agent:make_agent"]
     engines_off = load_job_config(None, own_samples)
-    assert engines_off == replace(JobConfig(), closed_loop=replace(
-        JobConfig().closed_loop, enabled=False, agent="examples.synthetic_agent:make_agent"))
+    assert engines_off == replace(JobConfig(), rollout=replace(
+        JobConfig().rollout, use_engines=False, agent="examples.synthetic_agent:make_agent"))
     assert engines_off.scheduler_with_model_limits().max_staleness is None
     # The closed loop hands the loss's bound to the scheduler.
     assert load_job_config().scheduler_with_model_limits().max_staleness == 1
@@ -62,11 +62,11 @@ def test_the_synthetic_preset_is_a_whole_config_and_explicit_keys_still_win():
 
 def test_overrides_change_only_the_named_keys():
     config = load_job_config(None, ["scheduler.batch.global_batch_size=6", "train.model.hidden_size=32",
-                                    "closed_loop.agent_kwargs.max_samples_per_rollout=2"])
+                                    "rollout.agent_kwargs.max_samples_per_rollout=2"])
     assert config.scheduler.batch.global_batch_size == 6
     assert config.scheduler.batch.max_tokens_per_gpu == 512  # kept from the default
     assert config.train.model.hidden_size == 32 and config.train.model.num_layers == 2
-    assert config.closed_loop.agent_kwargs == {"max_samples_per_rollout": 2}
+    assert config.rollout.agent_kwargs == {"max_samples_per_rollout": 2}
 
 
 def test_lora_and_a_float_written_without_a_dot_reach_the_train_group():
@@ -91,14 +91,15 @@ def test_lora_and_a_float_written_without_a_dot_reach_the_train_group():
         (["scheduler.intake.vocab_size=7"], r"'scheduler.intake.vocab_size' .* from train.model.vocab_size"),
         (["scheduler.batch.flops_model.num_layers=7"], r"'scheduler.batch.flops_model' .* from train.model"),
         (["preset=nope"], r"preset 'nope' is unknown; pick one of \['closed_loop', 'long_tail', 'synthetic', 'tool_use'\]"),
-        (["closed_loop.num_prompts=0"], r"closed_loop.num_prompts must be an integer >= 1"),
-        (["closed_loop.weight_sync.dtype=bfloat16"], r"dtype=bfloat16 needs weight_sync.transport=collective"),
-        (["closed_loop.weight_sync.transport=rdma"], r"transport must be object_store or collective"),
-        (["closed_loop.sample_push_fraction=2"], r"closed_loop.sample_push_fraction must be in \[0, 1\]"),
-        (["closed_loop.group_size=1"], r"closed_loop.group_size must be >= 2"),
-        (["closed_loop.agent=my_agents.make"], r"closed_loop.agent='my_agents.make' must be an import path"),
-        (["closed_loop.dataset.path=prompts.csv"], r"cannot tell the format.*closed_loop.dataset.format"),
-        (["closed_loop.prompts=null"], r"closed_loop needs prompts"),
+        (["rollout.num_prompts=0"], r"rollout.num_prompts must be an integer >= 1"),
+        (["rollout.weight_sync.dtype=bfloat16"], r"dtype=bfloat16 needs weight_sync.transport=collective"),
+        (["rollout.weight_sync.transport=rdma"], r"transport must be object_store or collective"),
+        (["rollout.sample_push_fraction=2"], r"rollout.sample_push_fraction must be in \[0, 1\]"),
+        (["rollout.group_size=1"], r"rollout.group_size must be >= 2"),
+        (["rollout.agent=my_agents.make"], r"rollout.agent='my_agents.make' must be an import path"),
+        (["rollout.dataset.path=prompts.csv"], r"cannot tell the format.*rollout.dataset.format"),
+        (["rollout.prompts=null"], r"rollout needs prompts"),
+        (["closed_loop.num_prompts=4"], r"config key .closed_loop. moved: set rollout.<key>.*rollout.use_engines"),
         (["train.tp_size=3"], r"tp_size=3 must divide"),
         (["scheduler.batch.balance=fast"], r"balance must be one of"),
         (["run"], r"section.key=value"),
@@ -160,7 +161,7 @@ def test_parallel_sizes_the_cluster_cannot_hold_fail_before_any_actor():
 def test_help_lists_every_option_with_its_doc():
     text = options_help()
     for key in ("run.num_steps", "scheduler.batch.global_batch_size", "train.model.hidden_size",
-                "closed_loop.group_size", "closed_loop.num_prompts", "scheduler.max_steps_ahead"):
+                "rollout.group_size", "rollout.num_prompts", "scheduler.max_steps_ahead"):
         assert key in text
     assert "Rollouts per optimizer step (not samples)." in text
     result = subprocess.run([sys.executable, "-m", "jobs.train", "--help"], cwd=ROOT, capture_output=True, text=True,
@@ -251,7 +252,7 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_fails_before_any_actor(mo
     with pytest.raises(ConfigError, match=r"has 17 tokens but train.model.vocab_size=16"):
         check_tokenizer_fits(load_job_config(None, ["train.model.vocab_size=16"]))
     with pytest.raises(ConfigError, match=r"tokenizer_dir='nowhere' is not a directory"):
-        check_tokenizer_fits(load_job_config(None, ["closed_loop.tokenizer_dir=nowhere"]))
+        check_tokenizer_fits(load_job_config(None, ["rollout.tokenizer_dir=nowhere"]))
 
 
 def test_a_loss_that_wants_centred_advantages_sets_the_scheduler_so():
@@ -266,12 +267,12 @@ def test_a_loss_that_wants_centred_advantages_sets_the_scheduler_so():
 
 
 def test_turning_the_engines_off_under_an_agent_that_samples_them_is_refused_before_ray():
-    with pytest.raises(ConfigError, match=r"closed_loop.enabled=false turns the rollout engines off, but "
-                                          r"closed_loop.agent=examples.digit_agent:make_agent samples them.*--preset synthetic"):
-        load_job_config(None, ["closed_loop.enabled=false"])
-    with pytest.raises(ConfigError, match=r"closed_loop.endpoint.enabled=true serves the rollout engines"):
-        load_job_config(None, ["preset=synthetic", "closed_loop.endpoint.enabled=true"])
-    assert not load_job_config(None, ["preset=synthetic"]).closed_loop.enabled  # an agent making its own samples
+    with pytest.raises(ConfigError, match=r"rollout.use_engines=false turns the rollout engines off, but "
+                                          r"rollout.agent=examples.digit_agent:make_agent samples them.*--preset synthetic"):
+        load_job_config(None, ["rollout.use_engines=false"])
+    with pytest.raises(ConfigError, match=r"rollout.endpoint.enabled=true serves the rollout engines"):
+        load_job_config(None, ["preset=synthetic", "rollout.endpoint.enabled=true"])
+    assert not load_job_config(None, ["preset=synthetic"]).rollout.use_engines  # an agent making its own samples
 
 
 def test_a_run_whose_input_died_is_a_failure_and_one_whose_input_ended_is_not():
@@ -297,18 +298,18 @@ def test_tenants_take_the_jobs_sections_as_defaults_and_refuse_what_they_cannot_
     config = load_job_config(None, ["run.num_steps=7", "tenants=[{name: a}, {name: b, global_batch_size: 16, "
                                     "num_steps: 3, agent: 'm:f', lora: {rank: 4}}]"])
     a, b = config.tenant_view(0), config.tenant_view(1)
-    assert (a.run.num_steps, a.scheduler.batch.global_batch_size, a.closed_loop.agent) == (
-        7, config.scheduler.batch.global_batch_size, config.closed_loop.agent)
-    assert (b.run.num_steps, b.scheduler.batch.global_batch_size, b.closed_loop.agent) == (3, 16, "m:f")
-    assert a.closed_loop.seed != b.closed_loop.seed and a.run.output_dir.endswith("tenants/a")
+    assert (a.run.num_steps, a.scheduler.batch.global_batch_size, a.rollout.agent) == (
+        7, config.scheduler.batch.global_batch_size, config.rollout.agent)
+    assert (b.run.num_steps, b.scheduler.batch.global_batch_size, b.rollout.agent) == (3, 16, "m:f")
+    assert a.rollout.seed != b.rollout.seed and a.run.output_dir.endswith("tenants/a")
     assert [(t.name, t.lora.rank) for t in a.train.tenant_adapters] == [("a", 8), ("b", 4)]
     for extra, key in ((["train.lora.rank=8"], "train.lora"),
-                       (["closed_loop.endpoint.enabled=true"], "closed_loop.endpoint.enabled")):
+                       (["rollout.endpoint.enabled=true"], "rollout.endpoint.enabled")):
         with pytest.raises(ConfigError, match=rf"\['{key}'\] are not supported with tenants"):
             load_job_config(None, ["tenants=[{name: a}]", *extra])
     # a tenant's own keys are checked as the job's would be, naming the tenant (a tenant always has prompts: it
-    # takes the job's closed_loop.prompts or dataset, which the job requires)
-    with pytest.raises(ConfigError, match=r"tenants\[b\]: closed_loop.agent='no_colon' must be an import path"):
+    # takes the job's rollout.prompts or dataset, which the job requires)
+    with pytest.raises(ConfigError, match=r"tenants\[b\]: rollout.agent='no_colon' must be an import path"):
         load_job_config(None, ["tenants=[{name: a}, {name: b, agent: no_colon}]"])
     with pytest.raises(ConfigError, match=r"two tenants named alike: \['a', 'a'\]"):
         load_job_config(None, ["tenants=[{name: a}, {name: a}]"])

@@ -21,9 +21,9 @@ PROMPTS, GROUP = 14, 2
 # malformed member (prompts 0 and 8 with this seed), rejected by rule while training goes on.
 SMALL_RUN = [
     "preset=synthetic",  # the synthetic preset (the default is the closed loop: tests/test_closed_loop_*)
-    "closed_loop.num_producers=2", f"closed_loop.num_prompts={PROMPTS}", f"closed_loop.group_size={GROUP}",
-    "closed_loop.prompts_kwargs.uniform_group_fraction=0", "closed_loop.prompts_kwargs.bad_rollout_fraction=0.2",
-    "closed_loop.agent_kwargs.max_delay_s=0.1", f"scheduler.batch.global_batch_size={GLOBAL_BATCH_SIZE}",
+    "rollout.num_producers=2", f"rollout.num_prompts={PROMPTS}", f"rollout.group_size={GROUP}",
+    "rollout.prompts_kwargs.uniform_group_fraction=0", "rollout.prompts_kwargs.bad_rollout_fraction=0.2",
+    "rollout.agent_kwargs.max_delay_s=0.1", f"scheduler.batch.global_batch_size={GLOBAL_BATCH_SIZE}",
     "run.num_steps=20",
 ]
 

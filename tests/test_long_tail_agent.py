@@ -37,4 +37,4 @@ def test_a_long_episode_runs_its_turns_and_trains_exactly_the_engines_tokens():
     assert len(sample["tokens"]) <= max_sequence_length()
     mask = np.asarray(sample["loss_mask"])
     assert int(mask.sum()) == 8 * turns  # exactly the engine's tokens train; the feedback is context
-    assert load_job_config(None, [], preset="long_tail").closed_loop.engines.max_model_len >= max_sequence_length()
+    assert load_job_config(None, [], preset="long_tail").rollout.engines.max_model_len >= max_sequence_length()

@@ -62,7 +62,7 @@ def test_the_committed_tokenizer_is_the_tasks_and_fits_the_presets_model():
     assert LOOKUP_VOCAB_SIZE == len(lookup_agent.VOCABULARY)
     config = load_job_config(preset="tool_use")
     assert config.train.model.vocab_size == LOOKUP_VOCAB_SIZE
-    assert config.closed_loop.endpoint.enabled and config.closed_loop.endpoint.tool_parser == "hermes"
+    assert config.rollout.endpoint.enabled and config.rollout.endpoint.tool_parser == "hermes"
 
 
 def test_a_parsed_lookup_then_the_secret_earns_one_and_trains_the_engines_tokens(endpoint, tmp_path):

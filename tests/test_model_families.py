@@ -252,10 +252,10 @@ def test_job_config_takes_the_model_and_tokenizer_from_the_checkpoint_directory(
     (tmp_path / "config.json").write_text(json.dumps(_config_json(model_type="qwen3", head_dim=32)))
     bare = load_job_config(None, [f"train.model.hf_checkpoint_dir={tmp_path}", "train.dp_size=1"])
     assert (bare.train.model.family, bare.train.model.head_dim, bare.train.model.vocab_size) == ("qwen3", 32, 96)
-    assert bare.closed_loop.tokenizer_dir is None  # no tokenizer there: token ids only
+    assert bare.rollout.tokenizer_dir is None  # no tokenizer there: token ids only
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(DIGIT_TOKENIZER / name, tmp_path / name)
     with_tokenizer = load_job_config(None, [f"train.model.hf_checkpoint_dir={tmp_path}", "train.dp_size=1"])
-    assert with_tokenizer.closed_loop.tokenizer_dir == str(tmp_path.resolve())
+    assert with_tokenizer.rollout.tokenizer_dir == str(tmp_path.resolve())
     with pytest.raises(ConfigError, match="has no config.json"):
         load_job_config(None, [f"train.model.hf_checkpoint_dir={tmp_path / 'nowhere'}"])

@@ -33,8 +33,8 @@ def test_a_closed_loop_job_trains_from_a_checkpoint_of_each_family(ray_session, 
     for path in (ROOT / "examples" / "digit_tokenizer").iterdir():
         shutil.copy(path, checkpoint / path.name)
     items = [f"run.output_dir={out}", "run.plot=false", f"run.num_steps={STEPS}", "run.checkpoint_every=0",
-             f"train.model.hf_checkpoint_dir={checkpoint}", *parallel, "closed_loop.group_size=4",
-             "closed_loop.num_producers=1", f"scheduler.batch.global_batch_size={GLOBAL_BATCH}"]
+             f"train.model.hf_checkpoint_dir={checkpoint}", *parallel, "rollout.group_size=4",
+             "rollout.num_producers=1", f"scheduler.batch.global_batch_size={GLOBAL_BATCH}"]
     assert main([a for item in items for a in ("--set", item)]) == 0
 
     records = read_records(out / "steps.jsonl")

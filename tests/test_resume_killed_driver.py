@@ -42,10 +42,10 @@ KILL_AFTER_STEP = 3
 # groups pushed before it lie past them: the resumed producers regenerate them and, every group being
 # pushed sample by sample, push them again.
 RUN = [
-    "closed_loop.agent=tests.resume_support:make_held_agent", f"closed_loop.num_producers={AGENTS}",
-    f"closed_loop.num_prompts={AGENTS * PROMPTS}", f"closed_loop.group_size={GROUP}", "closed_loop.groups_in_flight=3",
-    "closed_loop.sample_push_fraction=1.0", "closed_loop.prompts_kwargs.uniform_group_fraction=0",
-    "closed_loop.prompts_kwargs.bad_rollout_fraction=0.2", "closed_loop.agent_kwargs.max_delay_s=1.0",
+    "rollout.agent=tests.resume_support:make_held_agent", f"rollout.num_producers={AGENTS}",
+    f"rollout.num_prompts={AGENTS * PROMPTS}", f"rollout.group_size={GROUP}", "rollout.groups_in_flight=3",
+    "rollout.sample_push_fraction=1.0", "rollout.prompts_kwargs.uniform_group_fraction=0",
+    "rollout.prompts_kwargs.bad_rollout_fraction=0.2", "rollout.agent_kwargs.max_delay_s=1.0",
     "scheduler.batch.global_batch_size=4",
     "run.num_steps=50", "run.checkpoint_every=2", "run.plot=false",
 ]
@@ -53,7 +53,7 @@ RUN = [
 
 def job_command(out: pathlib.Path, hold_until: pathlib.Path, *extra: str) -> list[str]:
     """The job; the first groups finish once `hold_until` exists (see RUN)."""
-    items = [*synthetic_producers(), *RUN, f"run.output_dir={out}", f"closed_loop.agent_kwargs.hold_until={hold_until}",
+    items = [*synthetic_producers(), *RUN, f"run.output_dir={out}", f"rollout.agent_kwargs.hold_until={hold_until}",
              *extra]
     return [sys.executable, "-m", "jobs.train", *[arg for item in items for arg in ("--set", item)]]
 
@@ -156,7 +156,7 @@ def test_a_driver_killed_mid_run_resumes_and_trains_every_rollout_exactly_once(t
 
     # What the resumed producers will send again although the checkpoint already holds it: the groups
     # from their cursors on that are pushed sample by sample (all here; one pushed whole and held is skipped).
-    config = load_job_config(None, [*synthetic_producers(), *RUN]).closed_loop
+    config = load_job_config(None, [*synthetic_producers(), *RUN]).rollout
     positions = [producer + k * AGENTS for producer, cursor in enumerate(cursors)
                  for k in range((cursor or {"next_index": 0})["next_index"], PROMPTS)]
     regenerated = {f"p{position}-r{member}" for position in positions for member in range(GROUP)

@@ -26,9 +26,9 @@ def test_a_rollout_slower_than_the_shard_timeout_is_dropped_and_the_run_goes_on(
     out = tmp_path / "run"
     agent_kwargs = json.dumps({"slow_rollout": SLOW, "sleep_s": 6})
     items = [f"run.output_dir={out}", "run.plot=false", f"run.num_steps={STEPS}", "run.checkpoint_every=0",
-             "run.shard_timeout_s=4", "scheduler.max_hold_s=1.5", "closed_loop.timeout_s=60",
-             "closed_loop.agent=tests.slow_agent:make_agent", f"closed_loop.agent_kwargs={agent_kwargs}",
-             "scheduler.batch.global_batch_size=16", "closed_loop.group_size=4"]
+             "run.shard_timeout_s=4", "scheduler.max_hold_s=1.5", "rollout.timeout_s=60",
+             "rollout.agent=tests.slow_agent:make_agent", f"rollout.agent_kwargs={agent_kwargs}",
+             "scheduler.batch.global_batch_size=16", "rollout.group_size=4"]
     assert main([a for item in items for a in ("--set", item)]) == 0
     records = read_records(out / "steps.jsonl")
     assert len(records) == STEPS  # every step trained, though one rollout outlived the shard timeout

@@ -45,8 +45,8 @@ def test_the_scheduler_refuses_a_group_the_budget_cannot_hold_and_frees_it_as_ro
 
 @pytest.mark.parametrize("preset, message", [
     ("closed_loop", r"admission_token_budget=16 tokens is smaller than one request may be "
-                    r"\(closed_loop.engines.max_model_len=32\)"),
-    ("synthetic", r"admission_token_budget=16 admits groups against the engines' tokens.*closed_loop.enabled=true"),
+                    r"\(rollout.engines.max_model_len=32\)"),
+    ("synthetic", r"admission_token_budget=16 admits groups against the engines' tokens.*rollout.use_engines=true"),
 ])
 def test_a_token_budget_that_cannot_work_is_refused_at_start_naming_the_key(preset, message):
     with pytest.raises(ConfigError, match=message):

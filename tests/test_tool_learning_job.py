@@ -6,7 +6,7 @@ from-scratch tiny Llama, the producers' endpoint with vLLM's `hermes` parser, ex
 0.91 in 120 steps at 128 rollouts a step, docs/agents.md) takes six minutes; this runs its first phase, 30
 steps at 64 rollouts a step, where the policy learns to call the tool: the share of first replies the endpoint
 returned as parsed `tool_calls`, by the policy version that sampled them (the agent's own record), rises from
-chance (~0.05: the call is one word of 19) to >= 0.5 (measured 0.82-0.87 with closed_loop.seed 0, 0.94 with 1), and the sampled
+chance (~0.05: the call is one word of 19) to >= 0.5 (measured 0.82-0.87 with rollout.seed 0, 0.94 with 1), and the sampled
 reward rises with it. The preset credits a call answered with wrong digits 0.2, so in this phase its reward rises
 by ~0.08 (0.09 -> 0.16-0.17), within three standard errors of the noise of five steps: a test of that failed CI
 once. Here the call earns 0.5 (the agent's `called_credit`), so a policy that calls earns ~0.5 against chance's
@@ -34,8 +34,8 @@ def test_the_tool_use_preset_learns_to_call_the_tool(tmp_path, ray_session):
     agent_kwargs = {"run": "examples.lookup_agent:run",
                     "run_kwargs": {"record_path": str(record), "called_credit": CALLED_CREDIT}}
     items = [f"run.output_dir={out}", "run.plot=false", f"run.num_steps={STEPS}", "run.checkpoint_every=0",
-             "scheduler.batch.global_batch_size=64", "closed_loop.groups_in_flight=8",
-             f"closed_loop.agent_kwargs={json.dumps(agent_kwargs)}"]
+             "scheduler.batch.global_batch_size=64", "rollout.groups_in_flight=8",
+             f"rollout.agent_kwargs={json.dumps(agent_kwargs)}"]
     assert main(["--preset", "tool_use", *[a for item in items for a in ("--set", item)]]) == 0
 
     rollouts = [json.loads(line) for line in record.read_text().splitlines()]

@@ -27,9 +27,9 @@ GBS = 4
 # 2 producers, 14 prompts x 2 rollouts = 28 rollouts, less the groups with a malformed member (prompt 0's
 # among them: a rejection by rule from the start, a counter the trackers get): ~6 steps of 4.
 RUN = [
-    *synthetic_producers(), "closed_loop.num_producers=2", "closed_loop.num_prompts=14", "closed_loop.group_size=2",
-    "closed_loop.prompts_kwargs.uniform_group_fraction=0", "closed_loop.prompts_kwargs.bad_rollout_fraction=0.2",
-    "closed_loop.agent_kwargs.max_delay_s=0.05", f"scheduler.batch.global_batch_size={GBS}", "run.checkpoint_every=2",
+    *synthetic_producers(), "rollout.num_producers=2", "rollout.num_prompts=14", "rollout.group_size=2",
+    "rollout.prompts_kwargs.uniform_group_fraction=0", "rollout.prompts_kwargs.bad_rollout_fraction=0.2",
+    "rollout.agent_kwargs.max_delay_s=0.05", f"scheduler.batch.global_batch_size={GBS}", "run.checkpoint_every=2",
     "run.plot=false", "run.loggers=[console,jsonl,tensorboard,wandb,mlflow]", "run.run_name=tracking-test",
 ]
 

@@ -1,8 +1,8 @@
 """A user's own agent and prompt file train through the job, and a resumed run answers every row once.
 
 As a user would: an agent module written in the test's temporary directory (nothing under
-vgbs_ray/, actors/ or jobs/ knows it), named by import path (`closed_loop.agent`), fed by a
-prompt file (`closed_loop.dataset`), run with `python -m jobs.train` from that directory, attached
+vgbs_ray/, actors/ or jobs/ knows it), named by import path (`rollout.agent`), fed by a
+prompt file (`rollout.dataset`), run with `python -m jobs.train` from that directory, attached
 to the tests' cluster. Some rows make the agent fail, one way each (raise, hang past the timeout,
 non-finite reward, a request longer than the engine takes): those groups are dropped by name and
 the rest trains. A run from a JSON Lines file stops after a checkpoint and is resumed with
@@ -43,7 +43,7 @@ def make_agent(scale: float = 16.0):
         if row["mode"] == "raise":
             raise RuntimeError("the tool server is down")
         if row["mode"] == "hang":
-            await asyncio.Event().wait()  # never returns: only closed_loop.timeout_s ends it
+            await asyncio.Event().wait()  # never returns: only rollout.timeout_s ends it
         question = " ".join(str(d) for d in row["digits"])
         if row["mode"] == "long":
             question = " ".join(["7"] * 64)  # longer than the engine's max_model_len
@@ -85,13 +85,13 @@ def prompt_rows(num_rows: int) -> list[dict]:
 
 
 def run_job(project: pathlib.Path, dataset: pathlib.Path, out: pathlib.Path, address: str, *extra: str) -> dict:
-    # closed_loop.timeout_s: the "hang" row's group ends only there; an "ok" member (two one-token turns)
+    # rollout.timeout_s: the "hang" row's group ends only there; an "ok" member (two one-token turns)
     # takes well under a second, also on a busy machine.
     items = [f"run.output_dir={out}", f"run.ray_address={address}", "run.plot=false", "run.checkpoint_every=2",
-             "closed_loop.agent=my_agents.chat_game:make_agent", f"closed_loop.dataset.path={dataset}",
-             "closed_loop.dataset.keys=[digits,mode]", "closed_loop.prompts=null",
-             f"closed_loop.tokenizer_dir={ROOT / 'examples' / 'digit_tokenizer'}",
-             f"closed_loop.group_size={GROUP_SIZE}", "closed_loop.groups_in_flight=2", "closed_loop.timeout_s=10",
+             "rollout.agent=my_agents.chat_game:make_agent", f"rollout.dataset.path={dataset}",
+             "rollout.dataset.keys=[digits,mode]", "rollout.prompts=null",
+             f"rollout.tokenizer_dir={ROOT / 'examples' / 'digit_tokenizer'}",
+             f"rollout.group_size={GROUP_SIZE}", "rollout.groups_in_flight=2", "rollout.timeout_s=10",
              "scheduler.batch.global_batch_size=8", *extra]
     done = subprocess.run([sys.executable, "-m", "jobs.train", *[a for item in items for a in ("--set", item)]],
                           cwd=project, capture_output=True, text=True, timeout=900)

@@ -32,7 +32,7 @@ from vgbs_ray.prompt_source import producer_positions
 
 @dataclass(frozen=True, kw_only=True)
 class AgentProducerConfig:
-    """One producer's settings (the job builds it from its `closed_loop` section)."""
+    """One producer's settings (the job builds it from its `rollout` section)."""
 
     agent: str
     """Import path of the agent factory, e.g. 'my_pkg.agents:make_agent'."""

@@ -47,12 +47,12 @@ class RolloutContext:
         self.tokenizer = tokenizer
         """The checkpoint's Hugging Face tokenizer, or None (token-id-only jobs)."""
         self.default_sampling = default_sampling or SamplingConfig()
-        """What `generate` uses when given no SamplingConfig (the job's `closed_loop.sampling`)."""
+        """What `generate` uses when given no SamplingConfig (the job's `rollout.sampling`)."""
         self.seed = seed
         """A seed distinct per rollout (None: unseeded); requests without their own seed derive from it."""
         self.endpoint = None
         """The rollout's session on the job's OpenAI-compatible endpoint (`EndpointSession`: base_url, api_key,
-        reward_url) when the job serves one (closed_loop.endpoint.enabled), else None."""
+        reward_url) when the job serves one (rollout.endpoint.enabled), else None."""
         self._engine_generate = engine_generate
         self._sessions: list[TokenSession | TextSession | _AddedSample] = []
         self._requests = 0

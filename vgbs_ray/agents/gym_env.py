@@ -1,7 +1,7 @@
 """Gym-style environments (`reset` / `step`, as SkyRL and NeMo-RL users write them) as agents.
 
-    --set closed_loop.agent=vgbs_ray.agents.gym_env:make_agent
-    --set closed_loop.agent_kwargs='{env: my_pkg.envs:GuessEnv, env_kwargs: {secret_range: 10}, max_turns: 4}'
+    --set rollout.agent=vgbs_ray.agents.gym_env:make_agent
+    --set rollout.agent_kwargs='{env: my_pkg.envs:GuessEnv, env_kwargs: {secret_range: 10}, max_turns: 4}'
 
 One environment object per rollout, built by `env(**env_kwargs)`:
 
@@ -47,12 +47,12 @@ def _step_result(result: Any, env_name: str) -> tuple[str, float, bool, dict]:
 def make_agent(env: str, env_kwargs: dict | None = None, max_turns: int = 8, max_tokens: int | None = None,
                observation_role: str = "user"):
     """The agent that runs the environment class (or factory) `env` names (see module docstring)."""
-    factory = resolve(env, "closed_loop.agent_kwargs.env")
+    factory = resolve(env, "rollout.agent_kwargs.env")
     kwargs = dict(env_kwargs or {})
     if not isinstance(max_turns, int) or max_turns < 1:
-        raise ConfigError(f"closed_loop.agent_kwargs.max_turns must be an int >= 1, got {max_turns!r}")
+        raise ConfigError(f"rollout.agent_kwargs.max_turns must be an int >= 1, got {max_turns!r}")
     if observation_role not in ("user", "tool", "system"):
-        raise ConfigError(f"closed_loop.agent_kwargs.observation_role={observation_role!r} must be user, tool or system")
+        raise ConfigError(f"rollout.agent_kwargs.observation_role={observation_role!r} must be user, tool or system")
 
     async def agent(row: dict, ctx: RolloutContext) -> AgentResult:
         environment = factory(**kwargs)

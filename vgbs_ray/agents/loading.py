@@ -15,7 +15,7 @@ from typing import Any, Callable
 from vgbs_ray.errors import ConfigError
 
 
-def resolve(import_path: str, what: str = "closed_loop.agent") -> Callable:
+def resolve(import_path: str, what: str = "rollout.agent") -> Callable:
     """The object named `module.path:attribute` (a dotted attribute path after the colon is allowed)."""
     if not isinstance(import_path, str) or import_path.count(":") != 1:
         raise ConfigError(f"{what}={import_path!r} must be 'module.path:name', e.g. 'my_pkg.agents:make_agent'")
@@ -34,7 +34,7 @@ def resolve(import_path: str, what: str = "closed_loop.agent") -> Callable:
     return target
 
 
-def load_agent(import_path: str, kwargs: dict | None = None, what: str = "closed_loop.agent") -> Callable:
+def load_agent(import_path: str, kwargs: dict | None = None, what: str = "rollout.agent") -> Callable:
     """The agent that `import_path` names (see module docstring)."""
     target = resolve(import_path, what)
     if inspect.iscoroutinefunction(target) and not kwargs:

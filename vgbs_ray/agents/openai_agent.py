@@ -8,9 +8,9 @@
         reply = client.chat.completions.create(model="policy", messages=[...], max_tokens=64)
         return 1.0 if row["answer"] in reply.choices[0].message.content else 0.0
 
-    --set closed_loop.endpoint.enabled=true
-    --set closed_loop.agent=vgbs_ray.agents.openai_agent:make_agent
-    --set closed_loop.agent_kwargs='{run: my_agents.solver:run}'
+    --set rollout.endpoint.enabled=true
+    --set rollout.agent=vgbs_ray.agents.openai_agent:make_agent
+    --set rollout.agent_kwargs='{run: my_agents.solver:run}'
 
 `run(row, base_url, api_key, **run_kwargs)` may be sync (it runs in a daemon thread, so blocking
 clients work, and a `run` that never returns, lost as `agent_timeout`, cannot hold the producer's
@@ -93,7 +93,7 @@ def in_daemon_thread(function) -> asyncio.Future:
 def make_agent(run: str, run_kwargs: dict | None = None, threads: int = 256):
     """The agent running `run` (an import path, see module docstring) for each rollout; at most `threads` sync
     `run`s at once (at least groups_in_flight x group_size, so no rollout waits for one)."""
-    target = resolve(run, "closed_loop.agent_kwargs.run")
+    target = resolve(run, "rollout.agent_kwargs.run")
     kwargs = dict(run_kwargs or {})
     slots = asyncio.Semaphore(threads)
 
@@ -104,7 +104,7 @@ def make_agent(run: str, run_kwargs: dict | None = None, threads: int = 256):
     async def agent(row: dict, ctx) -> AgentResult:
         if ctx.endpoint is None:
             raise ConfigError("vgbs_ray.agents.openai_agent needs the job's endpoint: set "
-                              "closed_loop.endpoint.enabled=true")
+                              "rollout.endpoint.enabled=true")
         session = ctx.endpoint
         if inspect.iscoroutinefunction(target):
             called = target(row, session.base_url, session.api_key, **kwargs)

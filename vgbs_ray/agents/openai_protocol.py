@@ -315,7 +315,7 @@ class EndpointRollout:
     def _need_tokenizer(self, what: str) -> None:
         if self._tokenizer is None:
             raise ProtocolError(f"{what} needs the checkpoint's tokenizer and this job has none (set "
-                                "closed_loop.tokenizer_dir)", param="messages")
+                                "rollout.tokenizer_dir)", param="messages")
 
     def _restore_all(self, messages: list[dict]) -> list[dict]:
         """The messages as the engine's text holds them: a reply returned without its stop string gets it back, and
@@ -341,7 +341,7 @@ class EndpointRollout:
 
     async def _parse_tools(self, text: str, tools: ToolRequest):
         if self._tool_parser is None:
-            raise ProtocolError("this job's endpoint parses no tool calls (closed_loop.endpoint.tool_parser=none); "
+            raise ProtocolError("this job's endpoint parses no tool calls (rollout.endpoint.tool_parser=none); "
                                 "send no tools, or set the parser of the checkpoint's call format", param="tools",
                                 status=501)
         try:

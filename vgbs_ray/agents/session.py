@@ -141,7 +141,7 @@ class TextSession:
     def __init__(self, context: "RolloutContext", tokenizer):
         if tokenizer is None:
             raise SessionError(f"rollout {context.rollout_id!r}: a chat session needs the checkpoint's tokenizer, and "
-                               "this job has none (set closed_loop.tokenizer_dir, or use ctx.token_session)")
+                               "this job has none (set rollout.tokenizer_dir, or use ctx.token_session)")
         self._context = context
         self._tokenizer = tokenizer
         self._tokens: TokenSession | None = None

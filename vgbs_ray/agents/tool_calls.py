@@ -180,7 +180,7 @@ class ToolCallParser:
             except Exception as error:  # noqa: BLE001 - vLLM raises KeyError, RuntimeError, ValueError here
                 raise ToolParserUnavailable(
                     f"the vLLM tool parser {self.name!r} cannot run with this job's tokenizer ({error}); set "
-                    "closed_loop.endpoint.tool_parser to the parser of the checkpoint's call format") from None
+                    "rollout.endpoint.tool_parser to the parser of the checkpoint's call format") from None
 
     def _vllm_request(self, request: ToolRequest):
         """vLLM's request object, which its parsers take (pydantic-validated: milliseconds); one per distinct tools
@@ -202,8 +202,8 @@ def check_parser_name(name: str) -> None:
     from vllm.tool_parsers import ToolParserManager
 
     if name not in ToolParserManager.list_registered():
-        raise ToolRequestError(f"closed_loop.endpoint.tool_parser={name!r} is not a vLLM tool parser; registered: "
-                               f"{sorted(ToolParserManager.list_registered())}", "closed_loop.endpoint.tool_parser")
+        raise ToolRequestError(f"rollout.endpoint.tool_parser={name!r} is not a vLLM tool parser; registered: "
+                               f"{sorted(ToolParserManager.list_registered())}", "rollout.endpoint.tool_parser")
 
 
 def _schema_problem(arguments: dict, schema: dict) -> str | None:

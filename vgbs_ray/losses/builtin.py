@@ -153,7 +153,7 @@ def dr_grpo(max_response_tokens: int | None = None, clip_eps: float = 0.2, ancho
     only mean-centred (no std division: the job sets scheduler.intake.advantage_std=false)."""
     if isinstance(max_response_tokens, bool) or not isinstance(max_response_tokens, int) or max_response_tokens <= 0:
         raise ConfigError("train.loss.policy='dr_grpo' divides each rollout's token sum by the generation budget: "
-                          "set policy_kwargs.max_response_tokens to an int > 0 (e.g. closed_loop.sampling.max_tokens), "
+                          "set policy_kwargs.max_response_tokens to an int > 0 (e.g. rollout.sampling.max_tokens), "
                           f"got {max_response_tokens!r}")
     return _ppo_like("dr_grpo", clip_eps=clip_eps, clip_eps_high=None, dual_clip=None, anchor=anchor,
                      aggregation="rollout_token_sum", constant_tokens=max_response_tokens,

@@ -81,7 +81,7 @@ class SchedulerConfig:
     it before any producer runs: `SchedulerCore.set_token_budget`). None: no token budget (groups in flight
     are bounded by the producers' count)."""
     admission_tokens_per_rollout: int | None = None
-    """The expectation before any rollout completed (a job fills in closed_loop.engines.max_model_len)."""
+    """The expectation before any rollout completed (a job fills in rollout.engines.max_model_len)."""
 
     def __post_init__(self):
         if not isinstance(self.batch, BatchConfig):
