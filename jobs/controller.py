@@ -11,7 +11,7 @@
     controller.stop_producers()                # the run ends: producers first, the input closed
     controller.shutdown()
 
-It alone holds the run's handles: the scheduler, the train group, the rollout source (jobs/closed_loop.py:
+It alone holds the run's handles: the scheduler, the train group, the rollout source (jobs/rollout_source.py:
 engines and producers) and the watches. The watches only post events (jobs/producer_watch.py: a producer died
 or failed; jobs/engine_watch.py: an engine died or hung); the step loop posts a train failure (`recover`).
 `decide(state, event)` (vgbs_ray/failure_policy.py, pure) answers each with the next `RunState` (its phase and
@@ -31,7 +31,7 @@ Recovery of the train group (what `recover` does):
    stopped, a new SchedulerActor from the checkpoint's `scheduler.pkl` (or an empty one before any
    checkpoint), the new group registered with it, the producers started again from the checkpoint's cursors.
    This is an in-job `run.resume`, and exactly once for the same reason;
-4. the engines go back to the restored weights (`ClosedLoop.restore`).
+4. the engines go back to the restored weights (`RolloutSource.restore`).
 
 Invariants: the scheduler is told `checkpointed(n)` only after the checkpoint of steps < n is durably written
 (`latest` points at it), so a rewind never needs a settled step. Steps are global: the run's step numbers,
@@ -51,7 +51,7 @@ from actors.scheduler_actor import create_scheduler
 from actors.shutdown import start_named, terminate
 from actors.train_group import PlacementGroupTimeoutError, TrainGroup, TrainStepError
 from jobs.checkpoint import load_job_state, load_resume_point, producer_cursors, save_job_state
-from jobs.closed_loop import ClosedLoop
+from jobs.rollout_source import RolloutSource
 from jobs.engine_watch import EngineWatch
 from jobs.producer_watch import ProducerWatch, close_input, free_admitted, give_up, stop_producers
 from jobs.recovery import (SCHEDULER_PROBE_TIMEOUT_S, JobFailedError, Recovery, SchedulerLostError,
@@ -79,7 +79,7 @@ class RunController:
         self.state = RunState(config.run.max_failures)
         self.scheduler = None
         self.group: TrainGroup | None = None
-        self.loop: ClosedLoop | None = None
+        self.rollouts: RolloutSource | None = None
         self.producer_watch: ProducerWatch | None = None
         self.finished_watches: list[ProducerWatch] = []
         """Producer watches of schedulers that were lost (their reports and counts stay in the summary)."""
@@ -106,29 +106,29 @@ class RunController:
         self.first_step = self._restore_step = resume.next_step if resume is not None else 0
         self._restore_path = resume_from
         cursors = resume.cursors if resume is not None else None
-        self.loop = ClosedLoop.launch(config, self.scheduler, policy_version=self.first_step, cursors=cursors)
+        self.rollouts = RolloutSource.launch(config, self.scheduler, policy_version=self.first_step, cursors=cursors)
         self.group = self._new_group()
-        self.loop.start(config, self.group)
-        if self.loop.kv_cache_tokens is not None:  # admission_token_budget=engines: a restored scheduler's too
+        self.rollouts.start(config, self.group)
+        if self.rollouts.kv_cache_tokens is not None:  # admission_token_budget=engines: a restored scheduler's too
             self.scheduler_config = dataclasses.replace(self.scheduler_config,
-                                                        admission_token_budget=self.loop.kv_cache_tokens)
-        self._cursors = list(cursors or [None] * len(self.loop.producers))
-        self.producer_watch = ProducerWatch(self.loop.producers)
-        if self.loop.engines is not None:
-            self.engine_watch = EngineWatch(self.loop.engines, hang_timeout_s=config.rollout.engines.call_timeout_s)
+                                                        admission_token_budget=self.rollouts.kv_cache_tokens)
+        self._cursors = list(cursors or [None] * len(self.rollouts.producers))
+        self.producer_watch = ProducerWatch(self.rollouts.producers)
+        if self.rollouts.engines is not None:
+            self.engine_watch = EngineWatch(self.rollouts.engines, hang_timeout_s=config.rollout.engines.call_timeout_s)
 
     # -- events -----------------------------------------------------------------------------
 
     def poll(self) -> None:
         """The watches' events, decided and acted on; the input closed once every producer ended; a replaced
-        engine sent the newest weights over a collective (`ClosedLoop.catch_up`). Never waits for the watches.
+        engine sent the newest weights over a collective (`RolloutSource.catch_up`). Never waits for the watches.
         Raises JobFailedError when the run must stop."""
         events = self.producer_watch.poll() + (self.engine_watch.poll() if self.engine_watch is not None else [])
         for event in events:
             self.handle(event)
         close_input(self.scheduler, self.producer_watch)
         self._raise_if_failed()
-        self.loop.catch_up(self.group)
+        self.rollouts.catch_up(self.group)
 
     def handle(self, event) -> None:
         """`decide` on `event`, then carry out the action (a train failure goes through `recover`)."""
@@ -152,7 +152,7 @@ class RunController:
     def _restart_producer(self, index: int) -> None:
         started = time.monotonic()
         try:
-            _, run_ref = self.loop.restart_producer(index, self._cursors[index] if index < len(self._cursors) else None)
+            _, run_ref = self.rollouts.restart_producer(index, self._cursors[index] if index < len(self._cursors) else None)
         except Exception as error:  # noqa: BLE001 - e.g. the scheduler is gone too
             self.handle(ReplacementFailed("producer", index, repr(error)))
             return
@@ -166,11 +166,11 @@ class RunController:
         self.handle(RecoveryDone())
 
     def _replace_engine(self, index: int, cause: str) -> None:
-        name = self.loop.engines.names[index]
+        name = self.rollouts.engines.names[index]
         detected = time.monotonic()
         log.warning("rollout engine %s %s; replacing it on its bundle", name, cause)
         try:
-            version = self.loop.replace_engine(index)
+            version = self.rollouts.replace_engine(index)
         except Exception as error:  # noqa: BLE001 - the run stops with it
             self.handle(ReplacementFailed("engine", index, f"rollout engine {name} {cause}: {error!r}"))
             return
@@ -200,7 +200,7 @@ class RunController:
         return path
 
     def _take_cursors(self) -> list:
-        self._cursors = producer_cursors(self.loop.producers, self._cursors)
+        self._cursors = producer_cursors(self.rollouts.producers, self._cursors)
         return self._cursors
 
     # -- train failures ----------------------------------------------------------------------
@@ -227,7 +227,7 @@ class RunController:
         restored = self._restore_step
         if kind is FailureKind.SCHEDULER_LOST:  # the producers again, on the new scheduler
             self._restart_producers()
-        self.loop.restore(self.group, restored)
+        self.rollouts.restore(self.group, restored)
         recovery = Recovery(kind=kind.value, failed_step=failed_step, restored_step=restored,
                             steps_redone=failed_step - restored, rollouts_replayed=replayed,
                             time_to_recover_s=round(time.monotonic() - detected, 3),
@@ -277,9 +277,9 @@ class RunController:
         """The scheduler died: stop the producers (they pushed to it), start a new one from `checkpoint`'s state
         (None: before the first checkpoint, an empty one: the run starts over); returns the untrained rollouts it
         holds. The producers start again from that checkpoint's cursors once the new group is up."""
-        stop_producers(self.loop.producers, self.producer_watch, self.scheduler, self.handle, timeout_s=30)
+        stop_producers(self.rollouts.producers, self.producer_watch, self.scheduler, self.handle, timeout_s=30)
         self.finished_watches.append(self.producer_watch)
-        self.loop.producers.clear()
+        self.rollouts.producers.clear()
         terminate([self.scheduler])  # frees its name
         resume = load_resume_point(checkpoint) if checkpoint is not None else None
         self.scheduler = start_named(lambda: create_scheduler(self.scheduler_config,
@@ -290,9 +290,9 @@ class RunController:
     def _restart_producers(self) -> None:
         """After a scheduler restore: every producer again, on the new scheduler, from the checkpoint's cursors."""
         cursors = self._cursors_after_restore
-        self.loop.restart_producers(self.scheduler, cursors)
-        self._cursors = list(cursors or [None] * len(self.loop.producers))
-        self.producer_watch = ProducerWatch(self.loop.producers)
+        self.rollouts.restart_producers(self.scheduler, cursors)
+        self._cursors = list(cursors or [None] * len(self.rollouts.producers))
+        self.producer_watch = ProducerWatch(self.rollouts.producers)
 
     def _new_group(self) -> TrainGroup:
         group = TrainGroup(self.config.train)
@@ -343,16 +343,16 @@ class RunController:
     def stop_producers(self, timeout_s: float = 60.0) -> None:
         """The run ends: nothing is replaced from here on; the producers stop and the input is closed."""
         self.handle(RunEnding())
-        if self.loop is not None and self.producer_watch is not None:
-            stop_producers(self.loop.producers, self.producer_watch, self.scheduler, self.handle, timeout_s)
-            self.loop.producers.clear()  # stopped and ended once
+        if self.rollouts is not None and self.producer_watch is not None:
+            stop_producers(self.rollouts.producers, self.producer_watch, self.scheduler, self.handle, timeout_s)
+            self.rollouts.producers.clear()  # stopped and ended once
 
     def shutdown(self) -> None:
         """Everything the run started goes, producers first (also after a failure; safe to call twice)."""
-        if self.loop is not None and self.loop.producers:  # a failed run: stop them before the scheduler goes
+        if self.rollouts is not None and self.rollouts.producers:  # a failed run: stop them before the scheduler goes
             self.stop_producers(timeout_s=10)
-        if self.loop is not None:
-            self.loop.shutdown()
+        if self.rollouts is not None:
+            self.rollouts.shutdown()
         if self.group is not None:
             self.group.shutdown()
         if self.scheduler is not None:

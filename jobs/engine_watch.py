@@ -7,7 +7,7 @@
 At most every `poll_s` each engine is asked `health()` (seconds its engine thread has spent on the
 current batch or load). `verdict` decides, pure: a call that failed because the actor is gone is a
 death; no answer for `hang_timeout_s`, or an answer that says one batch has run that long, is a hang.
-The watch only observes: the controller replaces the engine (`ClosedLoop.replace_engine`: a new actor on
+The watch only observes: the controller replaces the engine (`RolloutSource.replace_engine`: a new actor on
 its bundle, loaded with the current policy version before it serves) while the run's failure budget
 allows, and stops the run past it. Requests in flight on a dead engine went to the other engines already
 (actors/rollout_engine.py, `EngineClient`); with none left, producers wait for the replacement.

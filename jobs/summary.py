@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from jobs.progress import StepLine
 
 if TYPE_CHECKING:  # annotations only: reporting imports no actors
-    from jobs.closed_loop import ClosedLoop
+    from jobs.rollout_source import RolloutSource
     from jobs.producer_watch import ProducerWatch
     from jobs.controller import RunController
 
@@ -90,7 +90,7 @@ def summarize(stats, trained: list[StepLine], elapsed_s: float, controller: RunC
     }
 
 
-def closed_loop_summary(trained: list[StepLine], reports: list, loop: ClosedLoop, *, stats=None,
+def closed_loop_summary(trained: list[StepLine], reports: list, loop: RolloutSource, *, stats=None,
                         elapsed_s: float | None = None, engine_replacements: list | None = None) -> dict:
     """The closed loop's part of the summary: reward curve ends, staleness, sync times, producer counts,
     groups the agents lost by reason, the agents' own metrics (producer figures count this run's producers

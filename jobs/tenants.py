@@ -45,7 +45,7 @@ from actors.shutdown import terminate
 from actors.train_group import TrainGroup, TrainStepError
 from jobs.checkpoint import (checkpoint_root, latest_checkpoint, load_resume_point, mark_latest, producer_cursors,
                              save_job_json, save_rollout_state, save_train_state)
-from jobs.closed_loop import ClosedLoop, engine_start_dir
+from jobs.rollout_source import RolloutSource, engine_start_dir
 from jobs.producer_watch import ProducerWatch, close_input, give_up, stop_producers
 from jobs.progress import StepLine, StepRecorder
 from jobs.recovery import RECOVERABLE_ERRORS, JobFailedError, job_scheduler_config, retains_until_checkpoint
@@ -66,7 +66,7 @@ class Tenant:
     config: object
     """Its JobConfig view (`JobConfig.tenant_view`)."""
     scheduler: object
-    loop: ClosedLoop
+    rollouts: RolloutSource
     watch: ProducerWatch | None = None
     recorder: StepRecorder | None = None
     next_step: int = 0
@@ -116,7 +116,7 @@ class TenantJob:
                                          restore=point.scheduler_state if point else None)
             first = point.next_step if point else 0
             cursors = point.cursors if point else None
-            loop = ClosedLoop.launch(view, scheduler, policy_version=first, tenant=tenant.name, engines=self.engines,
+            loop = RolloutSource.launch(view, scheduler, policy_version=first, tenant=tenant.name, engines=self.engines,
                                      cursors=cursors)
             self.tenants.append(Tenant(tenant.name, view, scheduler, loop, next_step=first,
                                        cursors=list(cursors or [])))
@@ -128,8 +128,8 @@ class TenantJob:
                   flush=True)
         self.resumed = resume_from is not None
         for tenant in self.tenants:  # its adapter (the base with the first) to the engines, then its producers run
-            tenant.loop.start(tenant.config, self.group)
-            tenant.watch = ProducerWatch(tenant.loop.producers)
+            tenant.rollouts.start(tenant.config, self.group)
+            tenant.watch = ProducerWatch(tenant.rollouts.producers)
             if "jsonl" in config.run.loggers:
                 tenant.recorder = StepRecorder(os.path.join(tenant.config.run.output_dir, "steps.jsonl"),
                                                append=self.resumed)
@@ -237,7 +237,7 @@ class TenantJob:
             redone[tenant.name] = tenant.next_step - step
             tenant.next_step = step
             tenant.lines = [line for line in tenant.lines if line.step < step]
-            tenant.loop.restore(self.group, step)
+            tenant.rollouts.restore(self.group, step)
         self.recoveries.append({"kind": kind.value, "tenant": failed.name, "steps_redone": redone,
                                 "restored_from": self.restore_path, "time_to_recover_s":
                                 round(time.monotonic() - started, 2)})
@@ -253,7 +253,7 @@ class TenantJob:
         path = os.path.join(checkpoint_root(self.config.run.output_dir), f"step_{total:06d}")
         for tenant in self.tenants:
             def cursors(tenant=tenant):
-                tenant.cursors = producer_cursors(tenant.loop.producers, tenant.cursors)
+                tenant.cursors = producer_cursors(tenant.rollouts.producers, tenant.cursors)
                 return tenant.cursors
 
             where = tenant_checkpoint(path, tenant.name)
@@ -294,9 +294,9 @@ class TenantJob:
         result = self.group.train_refs(step, tenant.scheduler, refs, wait_s=self.config.run.shard_timeout_s,
                                        adapter=tenant.name)
         record = ray.get(tenant.scheduler.step_record.remote(step), timeout=60)
-        sync_s = tenant.loop.publish(self.group, step + 1)
+        sync_s = tenant.rollouts.publish(self.group, step + 1)
         line = dataclasses.replace(step_line(result, record), policy_version=step, weight_sync_s=sync_s,
-                                   sampled_reward=tenant.loop.drain_sampled_reward())
+                                   sampled_reward=tenant.rollouts.drain_sampled_reward())
         tenant.lines.append(line)
         tenant.trainer_s += result.step_time_s
         tenant.next_step = step + 1
@@ -324,7 +324,7 @@ class TenantJob:
                 "outcome": tenant.outcome,
                 **summarize(stats, tenant.lines, elapsed_s),
                 "producers": producers_outcome([tenant.watch]),
-                "closed_loop": closed_loop_summary(tenant.lines, tenant.watch.reports, tenant.loop, stats=stats,
+                "closed_loop": closed_loop_summary(tenant.lines, tenant.watch.reports, tenant.rollouts, stats=stats,
                                                    elapsed_s=elapsed_s),
                 "trainer_time_share": round(tenant.trainer_s / trainer_total, 3),
                 "engine_token_share": round(tokens[tenant.name] / token_total, 3),
@@ -344,7 +344,7 @@ class TenantJob:
                 tenant.recorder.close()
                 tenant.recorder = None
             _stop_producers(tenant, timeout_s=10)
-            tenant.loop.shutdown()
+            tenant.rollouts.shutdown()
         if self.engines is not None:
             self.engines.shutdown()
         if self.group is not None:
@@ -364,12 +364,12 @@ def tenant_checkpoint(path: str, name: str) -> str:
 
 def _stop_producers(tenant: Tenant, timeout_s: float = 60.0) -> None:
     """The tenant's producers stop (once) and its input is closed; the other tenants' go on."""
-    if tenant.loop.producers:
+    if tenant.rollouts.producers:
         def ended(event) -> None:
             give_up(tenant.watch, tenant.scheduler, event, "it ended while the producers stopped")
 
-        stop_producers(tenant.loop.producers, tenant.watch, tenant.scheduler, ended, timeout_s=timeout_s)
-        tenant.loop.producers.clear()
+        stop_producers(tenant.rollouts.producers, tenant.watch, tenant.scheduler, ended, timeout_s=timeout_s)
+        tenant.rollouts.producers.clear()
 
 
 def train_tenants(config, on_event=None) -> dict:

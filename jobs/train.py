@@ -6,7 +6,7 @@
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
         python -m jobs.train --set run.ray_address=auto
 
-The default is the closed loop (jobs/closed_loop.py): vLLM engines start from the policy's
+The default is the closed loop (jobs/rollout_source.py): vLLM engines start from the policy's
 initial weights, AgentProducers run the configured agent (rollout.agent; the demo's digit
 agent by default, docs/agents.md) through them, and after every optimizer
 step the train group publishes its weights (policy version = steps trained) and the engines load
@@ -151,7 +151,7 @@ class Job:
     """One run: build, run, close (torchtitan's shape).
 
     build: the run's controller (jobs/controller.py) builds the scheduler (restored when resuming), the
-    rollout source (jobs/closed_loop.py: engines, producers) and the train group, and owns them from then on,
+    rollout source (jobs/rollout_source.py: engines, producers) and the train group, and owns them from then on,
     with every recovery. run: the step loop (`run_steps`), then, in this order, producers stop and the input is
     closed, what never trained is dropped (run_ended), the ledger is checked; returns the summary. close:
     everything the controller started goes, also after a failure.
@@ -184,7 +184,7 @@ class Job:
         if resume is not None:
             print(f"resumed from {resume_from} at step {self.first_step} (policy version {resume.policy_version}, "
                   f"{resume.scheduler_state.num_live_rollouts} untrained rollouts restored)", flush=True)
-        loop = self.controller.loop
+        loop = self.controller.rollouts
         engines = (f"{config.rollout.engines.num_engines} rollout engine(s) at policy version {self.first_step}"
                    if loop.engines is not None else "no rollout engines")
         print(f"rollouts: {engines}, {len(loop.producers)} producers of {config.rollout.agent} "
@@ -210,9 +210,9 @@ class Job:
         watches = controller.producer_watches
         summary = {**summarize(stats, trained, elapsed, controller), "producers": producers_outcome(watches)}
         reports = [report for watch in watches for report in watch.reports]
-        if controller.loop.engines is not None:
+        if controller.rollouts.engines is not None:
             summary["closed_loop"] = closed_loop_summary(
-                trained, reports, controller.loop, stats=stats, elapsed_s=elapsed,
+                trained, reports, controller.rollouts, stats=stats, elapsed_s=elapsed,
                 engine_replacements=controller.engine_watch.replacements)
         self.tracker.finish(trained, summary, counters_from_stats(stats, controller.recovery_count()))
         self.tracker.close()
@@ -270,7 +270,7 @@ class Job:
             return None
         record = ray.get(controller.scheduler.step_record.remote(step), timeout=60)
         line = step_line(result, record)
-        loop = controller.loop
+        loop = controller.rollouts
         if loop.engines is not None:
             sync_s = loop.publish(controller.group, step + 1)
             line = dataclasses.replace(

@@ -1,4 +1,4 @@
-"""The trainer does not wait for the engines: `ClosedLoop.publish` returns while a load is still
+"""The trainer does not wait for the engines: `RolloutSource.publish` returns while a load is still
 held in the engine, and the load's time is recorded once it finished, without a wait.
 
 Stand-ins for the train group's export (`publish_weights`) and the engine pool; real Ray."""
@@ -11,9 +11,9 @@ import time
 import pytest
 import ray
 
-import jobs.closed_loop as closed_loop
+import jobs.rollout_source as closed_loop
 from actors.weight_sync import PublishedWeights, WeightLoad
-from jobs.closed_loop import ClosedLoop
+from jobs.rollout_source import RolloutSource
 
 pytestmark = pytest.mark.slow  # Ray actors: a few seconds
 
@@ -44,7 +44,7 @@ class StandInPool:
 def test_publish_returns_before_the_engines_loaded_and_records_the_load_later(ray_session, monkeypatch):
     monkeypatch.setattr(closed_loop, "publish_weights", lambda group, version, **_: PublishedWeights(
         policy_version=version, ref=ray.put({"w": version}), num_bytes=8, publish_time_s=0.0))
-    loop = ClosedLoop(engines=StandInPool())
+    loop = RolloutSource(engines=StandInPool())
     loop.publish(group=None, policy_version=1)  # the engine holds the load: publish must not wait for it
     assert len(loop.loads) == 1 and loop.load_times_s == []
     ray.get(loop.engines.engine.go.remote(), timeout=30)

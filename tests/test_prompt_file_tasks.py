@@ -1,7 +1,7 @@
 """Reading a Parquet prompt file leaves no FAILED task behind (a successful run fails no task).
 
 Ray 2.60's Parquet reader V2 provisions FooterReader actors and kills the idle ones, whose creation tasks
-then show FAILED in the state API; `jobs.closed_loop.read_dataset_rows` reads with V1. The check needs the
+then show FAILED in the state API; `jobs.rollout_source.read_dataset_rows` reads with V1. The check needs the
 state API (a dashboard), so it runs in a Ray of its own, in a subprocess (the tests' session cluster has none).
 Slow: one Ray start (~15 s).
 """
@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent("""
     from ray.util.state import list_tasks
 
     from jobs.job_config import DatasetConfig
-    from jobs.closed_loop import read_dataset_rows
+    from jobs.rollout_source import read_dataset_rows
 
     path = sys.argv[1]
     pq.write_table(pa.table({"question": [f"q{i}" for i in range(40)], "answer": list(range(40))}), path)

@@ -1,20 +1,20 @@
 """The job's rollout source: agent producers, and the rollout engines they sample with their weight sync.
 
-    loop = ClosedLoop.launch(config, scheduler, policy_version=0)   # engines' vLLM and producers start
-    loop.start(config, group)          # the group's weights to the engines, then the producers run
-    loop.producers                     # (actor, run ref) pairs
-    sync_s = loop.publish(group, v)    # after the v-th optimizer step: export once, engines load async
-    loop.restore(group, k)             # after a recovery restored step k's weights: engines go back to v = k
-    loop.catch_up(group)               # while the trainer waits: a replaced engine gets v over a new channel
-    loop.drain_sampled_reward()        # mean reward of the rollouts pushed since the last call
-    loop.shutdown()                    # after the producers stopped
+    rollouts = RolloutSource.launch(config, scheduler, policy_version=0)  # engines' vLLM, producers start
+    rollouts.start(config, group)        # the group's weights to the engines, then the producers run
+    rollouts.producers                   # (actor, run ref) pairs
+    sync_s = rollouts.publish(group, v)  # after the v-th optimizer step: export once, engines load async
+    rollouts.restore(group, k)           # after a recovery restored step k's weights: engines back to v = k
+    rollouts.catch_up(group)             # while the trainer waits: a replaced engine gets v over a new channel
+    rollouts.drain_sampled_reward()      # mean reward of the rollouts pushed since the last call
+    rollouts.shutdown()                  # after the producers stopped
 
 Every job has this one rollout source; `rollout.use_engines=false` only leaves the engines out
 (`engines` is None, `publish` and `restore` do nothing): its agent makes its samples itself, like
 the synthetic preset's (examples/synthetic_agent.py).
 
 Start-up is two calls, so that vLLM and the producers start while the train group does.
-`ClosedLoop.launch` reads the prompt source (a dataset that cannot be read fails before anything
+`RolloutSource.launch` reads the prompt source (a dataset that cannot be read fails before anything
 starts), starts the engines' processes from `<output_dir>/policy_init`: the model's config.json
 and the job's tokenizer files (`rollout.tokenizer_dir`), no weights (vLLM starts on
 placeholder weights and serves nothing before a load), and creates `num_producers`
@@ -108,7 +108,7 @@ def cursor_at(cursors: list[dict | None] | None, index: int) -> dict | None:
 
 
 @dataclass
-class ClosedLoop:
+class RolloutSource:
     """The running rollout source of one job (see module docstring)."""
 
     engines: RolloutEnginePool | None
@@ -157,7 +157,7 @@ class ClosedLoop:
 
     @classmethod
     def launch(cls, config, scheduler, *, policy_version: int, cursors: list[dict | None] | None = None,
-               tenant: str | None = None, engines: RolloutEnginePool | None = None) -> "ClosedLoop":
+               tenant: str | None = None, engines: RolloutEnginePool | None = None) -> "RolloutSource":
         """The engines' processes start (rollout.use_engines) from `engine_start_dir`, serving from
         `policy_version` once it is loaded, and the producers' actors are created, pushing to `scheduler`
         once `start` runs them (producer i from `cursors[i]`, its saved `cursor()`, when given). Returns
