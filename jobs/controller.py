@@ -108,7 +108,7 @@ class RunController:
         cursors = resume.cursors if resume is not None else None
         self.rollouts = RolloutSource.launch(config, self.scheduler, policy_version=self.first_step, cursors=cursors)
         self.group = self._new_group()
-        self.rollouts.start(config, self.group)
+        self.rollouts.start(config, self.group, self.scheduler)
         if self.rollouts.kv_cache_tokens is not None:  # admission_token_budget=engines: a restored scheduler's too
             self.scheduler_config = dataclasses.replace(self.scheduler_config,
                                                         admission_token_budget=self.rollouts.kv_cache_tokens)
@@ -152,7 +152,8 @@ class RunController:
     def _restart_producer(self, index: int) -> None:
         started = time.monotonic()
         try:
-            _, run_ref = self.rollouts.restart_producer(index, self._cursors[index] if index < len(self._cursors) else None)
+            cursor = self._cursors[index] if index < len(self._cursors) else None
+            _, run_ref = self.rollouts.restart_producer(index, cursor, self.scheduler)
         except Exception as error:  # noqa: BLE001 - e.g. the scheduler is gone too
             self.handle(ReplacementFailed("producer", index, repr(error)))
             return

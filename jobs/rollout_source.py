@@ -1,7 +1,7 @@
 """The job's rollout source: agent producers, and the rollout engines they sample with their weight sync.
 
     rollouts = RolloutSource.launch(config, scheduler, policy_version=0)  # engines' vLLM, producers start
-    rollouts.start(config, group)        # the group's weights to the engines, then the producers run
+    rollouts.start(config, group, scheduler)  # the group's weights to the engines, then the producers run
     rollouts.producers                   # (actor, run ref) pairs
     sync_s = rollouts.publish(group, v)  # after the v-th optimizer step: export once, engines load async
     rollouts.restore(group, k)           # after a recovery restored step k's weights: engines back to v = k
@@ -131,8 +131,9 @@ class RolloutSource:
     """The train group the engines' weight channel connects to (transport=collective); None: a new channel first."""
     channel_failures: int = 0
     """Sends over the weight channel that found an engine gone (each answered by a new channel, not a recovery)."""
-    producer_args: tuple = ()
-    """(AgentProducerConfig, scheduler, PromptSpec): what every producer starts with (set by `launch`)."""
+    producer_config: AgentProducerConfig | None = None
+    """What every producer starts with (set by `launch`); the scheduler they push to is the caller's, passed to each
+    call that starts one (the job's controller holds it)."""
     launched_producers: list = field(default_factory=list)
     """Producer actors `launch` created, not yet running (`start` runs them)."""
     replacement_timeout_s: float = 600.0
@@ -179,10 +180,10 @@ class RolloutSource:
                        adapter=next(iter(config.train.adapters), None),
                        policy_version=policy_version, replacement_timeout_s=loop_config.engines.startup_timeout_s + 60)
         try:
-            loop.producer_args = (loop._producer_config(config), scheduler, prompts)
+            loop.producer_config = loop._producer_config(config)
             for index in range(loop_config.num_producers):
-                loop.launched_producers.append(
-                    start_named(functools.partial(loop._create_producer, index, cursor_at(cursors, index)), 60.0))
+                loop.launched_producers.append(start_named(
+                    functools.partial(loop._create_producer, index, cursor_at(cursors, index), scheduler), 60.0))
         except BaseException:
             loop.shutdown()
             raise
@@ -206,9 +207,10 @@ class RolloutSource:
             record_samples_dir=(os.path.join(os.path.abspath(config.run.output_dir), "samples")
                                 if loop_config.record_samples else None))
 
-    def start(self, config, group) -> None:
+    def start(self, config, group, scheduler) -> None:
         """`group`'s current weights to the engines as `policy_version` (waits for the engines and the load),
-        then the producers `launch` created run. On an error everything started is shut down."""
+        then the producers `launch` created run (pushing to `scheduler`, whose token budget is set first with
+        scheduler.admission_token_budget=engines). On an error everything started is shut down."""
         loop_config = config.rollout
         try:
             if self.engines is not None:
@@ -220,7 +222,7 @@ class RolloutSource:
                 if config.scheduler.admission_token_budget == ENGINES_BUDGET and self.owns_engines:
                     # the engines' real KV caches, before any producer asks for admission
                     self.kv_cache_tokens = self.engines.kv_cache_tokens()
-                    ray.get(self.producer_args[1].set_token_budget.remote(self.kv_cache_tokens), timeout=60)
+                    ray.get(scheduler.set_token_budget.remote(self.kv_cache_tokens), timeout=60)
             self.producers = [(actor, actor.run.remote()) for actor in self.launched_producers]
             self.launched_producers = []
         except BaseException:
@@ -230,26 +232,22 @@ class RolloutSource:
     def restart_producers(self, scheduler, cursors: list[dict | None] | None) -> None:
         """Every producer (rollout.num_producers), pushing to `scheduler`, producer i from `cursors[i]`
         (None: from its first prompt); at the start, and after a scheduler restore (the old ones stopped)."""
-        config, _, prompts = self.producer_args
-        self.producer_args = (config, scheduler, prompts)
         self.producers.clear()
-        for index in range(config.num_producers):
-            self.producers.append(self.restart_producer(index, cursor_at(cursors, index)))
+        for index in range(self.producer_config.num_producers):
+            self.producers.append(self.restart_producer(index, cursor_at(cursors, index), scheduler))
 
-    def start_producer(self, index: int, cursor: dict | None) -> tuple:
-        """Producer `index` (actor named vgbs-producer-{index}) from `cursor`, running, as an (actor, run ref) pair."""
-        actor = self._create_producer(index, cursor)
-        return actor, actor.run.remote()
-
-    def _create_producer(self, index: int, cursor: dict | None):
-        config, scheduler, prompts = self.producer_args
+    def _create_producer(self, index: int, cursor: dict | None, scheduler):
         # The engines as they are now: a handle of an engine that was replaced would hang a new producer's calls.
         client = self.engines.client(self.replacement_timeout_s, self.adapter) if self.engines is not None else None
-        return create_agent_producer(index, config, scheduler, client, prompts, cursor=cursor,
+        return create_agent_producer(index, self.producer_config, scheduler, client, self.prompts, cursor=cursor,
                                      name=self.producer_name.format(index))
 
-    def restart_producer(self, index: int, cursor: dict | None, timeout_s: float = 60.0) -> tuple:
-        """Producer `index` again, from `cursor` (its cursor at the latest checkpoint: what it pushed since is
+    def _start_producer(self, index: int, cursor: dict | None, scheduler) -> tuple:
+        actor = self._create_producer(index, cursor, scheduler)
+        return actor, actor.run.remote()
+
+    def restart_producer(self, index: int, cursor: dict | None, scheduler, timeout_s: float = 60.0) -> tuple:
+        """Producer `index` again, pushing to `scheduler`, from `cursor` (its cursor at the latest checkpoint: what it pushed since is
         pushed again and the scheduler rejects what it holds); replaces it in `producers`. The dead actor is
         killed first: a process that died by a signal keeps its name taken until Ray is told."""
         if index < len(self.producers):
@@ -257,7 +255,7 @@ class RolloutSource:
                 ray.kill(self.producers[index][0], no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        pair = start_named(lambda: self.start_producer(index, cursor), timeout_s)
+        pair = start_named(lambda: self._start_producer(index, cursor, scheduler), timeout_s)
         if index < len(self.producers):
             self.producers[index] = pair
         return pair

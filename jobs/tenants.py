@@ -128,7 +128,7 @@ class TenantJob:
                   flush=True)
         self.resumed = resume_from is not None
         for tenant in self.tenants:  # its adapter (the base with the first) to the engines, then its producers run
-            tenant.rollouts.start(tenant.config, self.group)
+            tenant.rollouts.start(tenant.config, self.group, tenant.scheduler)
             tenant.watch = ProducerWatch(tenant.rollouts.producers)
             if "jsonl" in config.run.loggers:
                 tenant.recorder = StepRecorder(os.path.join(tenant.config.run.output_dir, "steps.jsonl"),
