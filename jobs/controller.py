@@ -236,7 +236,8 @@ class RunController:
         self.recoveries.append(recovery)
         self.on_recovery("scheduler" if kind is FailureKind.SCHEDULER_LOST else "train_group")
         self.handle(RecoveryDone())
-        what = "restored the scheduler and a new train group" if kind is FailureKind.SCHEDULER_LOST else "new train group"
+        restored_scheduler = kind is FailureKind.SCHEDULER_LOST
+        what = "restored the scheduler and a new train group" if restored_scheduler else "new train group"
         print(f"recovered from {kind.value} at step {failed_step}: {what} from "
               f"{self._restore_path or 'the initial weights'}, {recovery.steps_redone} steps redone, "
               f"{replayed} rollouts replayed, {recovery.time_to_recover_s:.1f} s (new group {group_start_s:.1f} s)",

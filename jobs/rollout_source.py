@@ -247,9 +247,9 @@ class RolloutSource:
         return actor, actor.run.remote()
 
     def restart_producer(self, index: int, cursor: dict | None, scheduler, timeout_s: float = 60.0) -> tuple:
-        """Producer `index` again, pushing to `scheduler`, from `cursor` (its cursor at the latest checkpoint: what it pushed since is
-        pushed again and the scheduler rejects what it holds); replaces it in `producers`. The dead actor is
-        killed first: a process that died by a signal keeps its name taken until Ray is told."""
+        """Producer `index` again, pushing to `scheduler`, from `cursor` (its cursor at the latest checkpoint:
+        what it pushed since is pushed again and the scheduler rejects what it holds); replaces it in `producers`.
+        The dead actor is killed first: a process that died by a signal keeps its name taken until Ray is told."""
         if index < len(self.producers):
             try:
                 ray.kill(self.producers[index][0], no_restart=True)

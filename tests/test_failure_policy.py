@@ -7,7 +7,7 @@ import pytest
 
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.failure_policy import (
-    RECOVERABLE, ActionKind, ActorDied, FailureAction, FailureKind, FailureStatus, ProducerFailed, RecoveryDone,
+    RECOVERABLE, ActionKind, ActorDied, FailureKind, FailureStatus, ProducerFailed, RecoveryDone,
     ReplacementFailed, RunEnding, RunPhase, RunState, TrainFailed, decide, make_decision,
 )
 
@@ -19,31 +19,31 @@ def decide_train(kind: FailureKind, before: int, max_failures: int):
 @pytest.mark.parametrize("kind", sorted(RECOVERABLE))
 def test_a_recoverable_failure_restarts_exactly_while_the_budget_lasts(kind):
     for max_failures in range(4):
-        actions = [decide_train(kind, before, max_failures).action for before in range(6)]
-        assert actions == [FailureAction.RESTART] * max_failures + [FailureAction.STOP] * (6 - max_failures)
+        actions = [decide_train(kind, before, max_failures).kind for before in range(6)]
+        assert actions == [ActionKind.RESTART_TRAIN_GROUP] * max_failures + [ActionKind.STOP] * (6 - max_failures)
 
 
 def test_max_failures_zero_fails_fast_and_says_how_to_recover():
     decision = decide_train(FailureKind.RANK_DIED, 0, 0)
-    assert decision.action is FailureAction.STOP and "run.max_failures" in decision.reason
+    assert decision.kind is ActionKind.STOP and "run.max_failures" in decision.reason
 
 
 @pytest.mark.parametrize("kind", [k for k in FailureKind if k not in RECOVERABLE and k is not FailureKind.SCHEDULER_LOST])
 def test_what_a_new_group_cannot_cure_stops_whatever_the_budget(kind):
-    assert decide_train(kind, 0, 100).action is FailureAction.STOP
+    assert decide_train(kind, 0, 100).kind is ActionKind.STOP
 
 
 def test_a_lost_scheduler_is_restored_while_the_budget_lasts_then_stops_naming_what_was_lost():
     for max_failures in range(4):
-        actions = [decide_train(FailureKind.SCHEDULER_LOST, before, max_failures).action for before in range(6)]
-        assert actions == [FailureAction.RESTORE] * max_failures + [FailureAction.STOP] * (6 - max_failures)
+        actions = [decide_train(FailureKind.SCHEDULER_LOST, before, max_failures).kind for before in range(6)]
+        assert actions == [ActionKind.RESTORE_SCHEDULER] * max_failures + [ActionKind.STOP] * (6 - max_failures)
     reason = decide_train(FailureKind.SCHEDULER_LOST, 2, 2).reason
     assert "buffered" in reason and "run.resume=true" in reason and "run.max_failures=2" in reason
 
 
 def test_the_budget_message_names_the_setting():
     decision = decide_train(FailureKind.TIMEOUT, 2, 2)
-    assert decision.action is FailureAction.STOP and "failure 3" in decision.reason and "run.max_failures=2" in decision.reason
+    assert decision.kind is ActionKind.STOP and "failure 3" in decision.reason and "run.max_failures=2" in decision.reason
 
 
 def test_bad_inputs_are_refused_with_the_field_named():

@@ -10,7 +10,7 @@ Rules for a train-group or scheduler failure (`make_decision`), in order:
 1. A failure a new train group cannot cure stops the run at once, whatever the budget: the
    scheduler has no shard to give (input starved, or the scheduler failed inside).
 2. A lost scheduler counts against `max_failures` and, within it, is restored in the job from
-   the latest checkpoint (`RESTORE`: a new scheduler from its saved state, the train group
+   the latest checkpoint (`RESTORE_SCHEDULER`: a new scheduler from its saved state, the train group
    rewound to the same checkpoint, the producers restarted from its cursors): what it buffered
    since that checkpoint is regenerated, never trained twice.
 3. Otherwise (a rank died, a rank raised in a step, a step or checkpoint timed out, a new group
@@ -53,13 +53,29 @@ RECOVERABLE = frozenset({FailureKind.RANK_DIED, FailureKind.RANK_FAILED, Failure
 """Kinds a new train group restored from the latest checkpoint can cure."""
 
 
-class FailureAction(str, enum.Enum):
-    RESTART = "restart"
-    """Tear the train group down, start a new one, restore the latest checkpoint, rewind the scheduler."""
-    RESTORE = "restore"
-    """The scheduler is gone: a new one from the latest checkpoint, a new train group from it, the producers again."""
+class ActionKind(str, enum.Enum):
+    NONE = "none"
+    RESTART_TRAIN_GROUP = "restart_train_group"
+    """Tear the train group down, start a new one from the latest checkpoint, rewind the scheduler to it."""
+    RESTORE_SCHEDULER = "restore_scheduler"
+    """A new scheduler from the latest checkpoint, a new train group from it, every producer again from its cursor."""
+    RESTART_PRODUCER = "restart_producer"
+    """Producer `index` again, from its cursor at the latest checkpoint."""
+    GIVE_UP_PRODUCER = "give_up_producer"
+    """Producer `index` ends (counted as failed); the others go on, and the input closes once all have ended."""
+    REPLACE_ENGINE = "replace_engine"
+    """Engine `index` again, on its bundle, serving from the newest policy version."""
     STOP = "stop"
-    """Stop the run and raise the failure (with the decision's reason)."""
+    """Stop the run with `reason`."""
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    reason: str = ""
+    """One sentence for the log and the error: why, and what setting changes it."""
+    index: int | None = None
+    """The producer or engine acted on."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,36 +91,29 @@ class FailureStatus:
             raise ConfigError(f"FailureStatus.failures_before must be >= 0, got {self.failures_before}")
 
 
-@dataclass(frozen=True)
-class FailureDecision:
-    action: FailureAction
-    reason: str
-    """One sentence for the log and the error: why, and what setting changes it."""
-
-
-def make_decision(status: FailureStatus, max_failures: int) -> FailureDecision:
+def make_decision(status: FailureStatus, max_failures: int) -> Action:
     """Restart or stop after one failure (see module docstring). O(1), pure."""
     if max_failures < 0:
         raise ConfigError(f"max_failures must be >= 0, got {max_failures}")
     kind, before = status.kind, status.failures_before
     if kind is FailureKind.SCHEDULER_LOST:
         if before >= max_failures:
-            return FailureDecision(FailureAction.STOP, f"the SchedulerActor is gone and failure {before + 1} exceeds "
-                                   f"run.max_failures={max_failures}: the rollouts it buffered and its ledger since the "
-                                   "latest checkpoint went with it; resume with run.resume=true")
-        return FailureDecision(FailureAction.RESTORE, f"scheduler_lost: failure {before + 1} of at most {max_failures}; "
-                               "restoring the scheduler, the train group and the producers from the latest checkpoint")
+            return Action(ActionKind.STOP, f"the SchedulerActor is gone and failure {before + 1} exceeds "
+                          f"run.max_failures={max_failures}: the rollouts it buffered and its ledger since the "
+                          "latest checkpoint went with it; resume with run.resume=true")
+        return Action(ActionKind.RESTORE_SCHEDULER, f"scheduler_lost: failure {before + 1} of at most {max_failures}; "
+                      "restoring the scheduler, the train group and the producers from the latest checkpoint")
     if kind not in RECOVERABLE:
-        return FailureDecision(FailureAction.STOP, f"{kind.value}: a new train group would get no shard either; "
-                               "check the producers and the scheduler (or raise run.shard_timeout_s)")
+        return Action(ActionKind.STOP, f"{kind.value}: a new train group would get no shard either; "
+                      "check the producers and the scheduler (or raise run.shard_timeout_s)")
     if before >= max_failures:
         if max_failures == 0:
-            return FailureDecision(FailureAction.STOP, f"{kind.value} with run.max_failures=0 (fail fast); "
-                                   "set run.max_failures > 0 to recover in the job")
-        return FailureDecision(FailureAction.STOP, f"{kind.value}: failure {before + 1} exceeds "
-                               f"run.max_failures={max_failures}; raise it to recover more often")
-    return FailureDecision(FailureAction.RESTART, f"{kind.value}: failure {before + 1} of at most {max_failures}; "
-                           "restarting the train group from the latest checkpoint")
+            return Action(ActionKind.STOP, f"{kind.value} with run.max_failures=0 (fail fast); "
+                          "set run.max_failures > 0 to recover in the job")
+        return Action(ActionKind.STOP, f"{kind.value}: failure {before + 1} exceeds "
+                      f"run.max_failures={max_failures}; raise it to recover more often")
+    return Action(ActionKind.RESTART_TRAIN_GROUP, f"{kind.value}: failure {before + 1} of at most {max_failures}; "
+                  "restarting the train group from the latest checkpoint")
 
 
 REPLACEABLE_ACTORS = ("producer", "engine")
@@ -176,31 +185,6 @@ class RunEnding:
 Event = TrainFailed | ActorDied | ProducerFailed | RecoveryDone | ReplacementFailed | RunEnding
 
 
-class ActionKind(str, enum.Enum):
-    NONE = "none"
-    RESTART_TRAIN_GROUP = "restart_train_group"
-    """Tear the train group down, start a new one from the latest checkpoint, rewind the scheduler to it."""
-    RESTORE_SCHEDULER = "restore_scheduler"
-    """A new scheduler from the latest checkpoint, a new train group from it, every producer again from its cursor."""
-    RESTART_PRODUCER = "restart_producer"
-    """Producer `index` again, from its cursor at the latest checkpoint."""
-    GIVE_UP_PRODUCER = "give_up_producer"
-    """Producer `index` ends (counted as failed); the others go on, and the input closes once all have ended."""
-    REPLACE_ENGINE = "replace_engine"
-    """Engine `index` again, on its bundle, serving from the newest policy version."""
-    STOP = "stop"
-    """Stop the run with `reason`."""
-
-
-@dataclass(frozen=True)
-class Action:
-    kind: ActionKind
-    reason: str = ""
-    """One sentence for the log and the error: why, and what setting changes it."""
-    index: int | None = None
-    """The producer or engine acted on."""
-
-
 @dataclass(frozen=True)
 class RunState:
     """The controller's state: its phase and the run's failure budget as spent so far. Immutable: `decide`
@@ -262,14 +246,13 @@ def decide(state: RunState, event: Event) -> tuple[RunState, Action]:
         return replace(state, phase=RunPhase.FAILED, failure=reason), Action(ActionKind.STOP, reason)
 
     if isinstance(event, TrainFailed):
-        decision = make_decision(FailureStatus(kind=event.kind, failures_before=state.train_failures),
-                                 state.max_failures)
-        if decision.action is FailureAction.STOP:
-            return stop(decision.reason)
-        restore = decision.action is FailureAction.RESTORE
+        action = make_decision(FailureStatus(kind=event.kind, failures_before=state.train_failures),
+                               state.max_failures)
+        if action.kind is ActionKind.STOP:
+            return stop(action.reason)
+        restore = action.kind is ActionKind.RESTORE_SCHEDULER
         phase = RunPhase.RESTORING_SCHEDULER if restore else RunPhase.RECOVERING_TRAIN_GROUP
-        return (replace(state, phase=phase, train_failures=state.train_failures + 1),
-                Action(ActionKind.RESTORE_SCHEDULER if restore else ActionKind.RESTART_TRAIN_GROUP, decision.reason))
+        return replace(state, phase=phase, train_failures=state.train_failures + 1), action
     if isinstance(event, ActorDied):
         if event.actor not in REPLACEABLE_ACTORS:
             raise ConfigError(f"ActorDied.actor must be one of {REPLACEABLE_ACTORS}, got {event.actor!r}")
