@@ -2,7 +2,8 @@
 
     line = step_line(result, record)                          # one trained step's line (jobs/progress.py)
     summary = {**summarize(stats, lines, elapsed_s, controller), "producers": producers_outcome(watches)}
-    summary["closed_loop"] = closed_loop_summary(lines, reports, loop, stats=stats, elapsed_s=elapsed_s)
+    summary["closed_loop"] = closed_loop_summary(lines, reports, rollouts, stats=stats, elapsed_s=elapsed_s,
+                                                 engine_replacements=engine_watch.replacements)
 
 Fields and units are listed in docs/metrics.md; `jobs/train.py` writes the dict to summary.json.
 """
