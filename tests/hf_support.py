@@ -58,6 +58,10 @@ FAMILY_SHAPES = {
 }
 
 
+JOB_SHAPES = ("llama3_tied", "qwen2", "qwen3", "qwen3_moe")
+"""The shapes tests/test_model_family_jobs.py trains a closed-loop job on (one of each family)."""
+
+
 def tiny_hf_model(path: Path, shape: str, *, seed: int = 0, vocab_size: int = 96, num_layers: int = 2, ffn: int = 192):
     """A random fp32 model of one of `FAMILY_SHAPES` saved to `path`; returns the model (norms and biases random)."""
     import transformers
@@ -134,10 +138,13 @@ def model_config_for(path: Path, **overrides) -> ModelConfig:
     return model_config_from_hf(path, **overrides)
 
 
-def tp_rank_worker(rank: int, world_size: int, port: int, hf_dir: str, sequences: list, results, ep_size: int = 1) -> None:
-    """Spawned per rank: build the policy from `hf_dir` at TP=world_size / ep_size, EP=ep_size; rank 0 reports
-    (full-vocabulary logits per sequence, exported HF weights) or an error string. EP ranks run the sequences
-    in opposite orders, so their token counts differ at every forward (the alltoall dispatcher's case)."""
+def tp_rank_worker(rank: int, world_size: int, port: int, runs: list[tuple[str, int]], sequences: list,
+                   results) -> None:
+    """Spawned per rank: for each (checkpoint directory, ep_size) of `runs` in turn, build the policy at
+    TP=world_size / ep_size, EP=ep_size (Megatron's parallel state made again over one process group); rank 0
+    reports per run (full-vocabulary logits per sequence, exported HF weights) or an error string. EP ranks run
+    the sequences in opposite orders, so their token counts differ at every forward (the alltoall dispatcher's
+    case). One spawn for several runs: a rank's start (torch, Megatron, gloo) costs more than a run."""
     import os
 
     try:
@@ -149,35 +156,45 @@ def tp_rank_worker(rank: int, world_size: int, port: int, hf_dir: str, sequences
         from trainer.hf_checkpoint import export_hf_weights
         from trainer.model import build_gpt_model
 
-        tp_size = world_size // ep_size
-        init_distributed(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port,
-                         backend="gloo", timeout_s=60, tp_size=tp_size, pp_size=1, cp_size=1, ep_size=ep_size)
-        config = model_config_for(Path(hf_dir))
-        model = build_gpt_model(config, tp_size=tp_size, ep_size=ep_size).eval()
-        group = parallel_state.get_tensor_model_parallel_group()
-        order = list(range(len(sequences)))
-        if parallel_state.get_expert_model_parallel_rank() % 2:
-            order.reverse()
-        logits = [None] * len(sequences)
-        for index in order:
-            local = megatron_logits(model, sequences[index]).contiguous()
-            parts = [torch.empty_like(local) for _ in range(tp_size)]
-            dist.all_gather(parts, local, group=group)
-            logits[index] = torch.cat(parts, dim=-1).numpy()  # the vocabulary is split over TP ranks
-        # numpy, not tensors: torch would send shared-memory handles that die with this process
-        exported = {name: tensor.numpy() for name, tensor in export_hf_weights(model, config).items()}
-        results.put((rank, logits, exported, None) if rank == 0 else (rank, None, None, None))
+        reports = []
+        for index, (hf_dir, ep_size) in enumerate(runs):
+            tp_size = world_size // ep_size
+            if index == 0:
+                init_distributed(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port,
+                                 backend="gloo", timeout_s=60, tp_size=tp_size, pp_size=1, cp_size=1, ep_size=ep_size)
+            else:
+                parallel_state.destroy_model_parallel()
+                parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size,
+                                                         expert_model_parallel_size=ep_size,
+                                                         distributed_timeout_minutes=1.0)
+            config = model_config_for(Path(hf_dir))
+            model = build_gpt_model(config, tp_size=tp_size, ep_size=ep_size).eval()
+            group = parallel_state.get_tensor_model_parallel_group()
+            order = list(range(len(sequences)))
+            if parallel_state.get_expert_model_parallel_rank() % 2:
+                order.reverse()
+            logits = [None] * len(sequences)
+            for position in order:
+                local = megatron_logits(model, sequences[position]).contiguous()
+                parts = [torch.empty_like(local) for _ in range(tp_size)]
+                dist.all_gather(parts, local, group=group)
+                logits[position] = torch.cat(parts, dim=-1).numpy()  # the vocabulary is split over TP ranks
+            # numpy, not tensors: torch would send shared-memory handles that die with this process
+            exported = {name: tensor.numpy() for name, tensor in export_hf_weights(model, config).items()}
+            reports.append((logits, exported))
+        results.put((rank, reports if rank == 0 else None, None))
     except BaseException as error:  # report, never hang the parent
-        results.put((rank, None, None, repr(error)))
+        results.put((rank, None, repr(error)))
     finally:
         results.close()
         results.join_thread()
         os._exit(0)  # skip gloo / Megatron teardown in the child
 
 
-def run_tp_ranks(hf_dir, sequences: list, world_size: int = 2, ep_size: int = 1) -> tuple[list, dict]:
-    """Spawn `world_size` ranks (`tp_rank_worker`: TP = world_size / ep_size) on the checkpoint in `hf_dir`; rank 0's
-    (full-vocabulary logits per sequence, exported HF weights as numpy arrays). A rank's error fails the test."""
+def run_parallel_ranks(runs: list[tuple[str, int]], sequences: list, world_size: int = 2) -> list[tuple[list, dict]]:
+    """Spawn `world_size` ranks (`tp_rank_worker`) once for every (checkpoint directory, ep_size) of `runs`
+    (TP = world_size / ep_size); rank 0's (full-vocabulary logits per sequence, exported HF weights as numpy
+    arrays), one per run in order. A rank's error fails the caller."""
     import multiprocessing
 
     from trainer.distributed import find_free_port
@@ -185,20 +202,26 @@ def run_tp_ranks(hf_dir, sequences: list, world_size: int = 2, ep_size: int = 1)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = find_free_port()
-    procs = [context.Process(target=tp_rank_worker, args=(rank, world_size, port, str(hf_dir), sequences, results,
-                                                          ep_size))
+    runs = [(str(hf_dir), ep_size) for hf_dir, ep_size in runs]
+    procs = [context.Process(target=tp_rank_worker, args=(rank, world_size, port, runs, sequences, results))
              for rank in range(world_size)]
     for proc in procs:
         proc.start()
     try:
         reports = {}
         for _ in procs:
-            rank, logits, exported, error = results.get(timeout=180)
-            assert error is None, f"TP rank {rank}: {error}"
-            reports[rank] = (logits, exported)
+            rank, report, error = results.get(timeout=120 + 60 * len(runs))
+            assert error is None, f"rank {rank}: {error}"
+            reports[rank] = report
     finally:
         for proc in procs:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
     return reports[0]
+
+
+def run_tp_ranks(hf_dir, sequences: list, world_size: int = 2, ep_size: int = 1) -> tuple[list, dict]:
+    """`run_parallel_ranks` on one checkpoint: rank 0's (logits per sequence, exported HF weights)."""
+    (report,) = run_parallel_ranks([(hf_dir, ep_size)], sequences, world_size)
+    return report

@@ -4,7 +4,8 @@ models made here with `transformers`, norms and biases random too).
 Per shape (`tests.hf_support.FAMILY_SHAPES`): Megatron's logits equal transformers' (fp32, 1e-4) at TP=1
 and TP=2; import then export is bit-exact with the checkpoint's own tensor names (tied: no lm_head);
 the export loads in transformers with the same logits, and in vLLM, whose log-probs equal the
-trainer's before and after a weight sync. What the policy cannot hold is refused naming the key.
+trainer's before and after a weight sync (here for the shapes without a job; tests/test_model_family_jobs.py
+checks the others inside a job). What the policy cannot hold is refused naming the key.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.hf_support import (FAMILY_SHAPES, assert_logits_match, megatron_logits, model_config_for, response_log_probs,
-                              run_tp_ranks, tiny_hf_model)
+from tests.hf_support import (FAMILY_SHAPES, JOB_SHAPES, assert_logits_match, megatron_logits, model_config_for,
+                              response_log_probs, run_parallel_ranks, tiny_hf_model)
 from tests.train_support import ensure_single_process_group
 from vgbs_ray.errors import ConfigError
 
@@ -94,39 +95,53 @@ def test_llama3_rope_scaling_is_applied_not_ignored(checkpoint):
     assert float((megatron_logits(model, tokens) - expected).abs().max()) > 1e-2
 
 
+MOE_SHAPES = [s for s in SHAPES if "moe" in s]
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(tmp_path_factory):
+    """Every shape at TP=2, and each mixture of experts at EP=2, in one spawn of two ranks (a spawn costs more
+    than its runs): {(shape, "tp2" | "ep2"): (transformers model, checkpoint directory, rank 0's logits, export)}."""
+    checkpoints = {}
+    for shape in SHAPES:
+        path = tmp_path_factory.mktemp(f"{shape}-parallel")
+        checkpoints[shape] = (tiny_hf_model(path, shape, vocab_size=VOCAB), path)
+    runs = [(shape, "tp2", 1) for shape in SHAPES] + [(shape, "ep2", 2) for shape in MOE_SHAPES]
+    reports = run_parallel_ranks([(checkpoints[shape][1], ep_size) for shape, _, ep_size in runs], SEQUENCES)
+    return {(shape, kind): (*checkpoints[shape], *report) for (shape, kind, _), report in zip(runs, reports)}
+
+
+def _assert_parallel_run(parallel_runs, shape: str, kind: str) -> None:
+    from trainer.hf_checkpoint import read_hf_weights
+
+    hf_model, path, logits, exported = parallel_runs[(shape, kind)]
+    assert_logits_match(hf_model, SEQUENCES, logits)
+    original = read_hf_weights(path)
+    assert set(exported) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(torch.from_numpy(exported[name]), tensor), name
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
-def test_tp2_logits_equal_transformers_and_export_gathers_bit_exact(shape, tmp_path):
-    from trainer.hf_checkpoint import read_hf_weights
-
-    hf_model = tiny_hf_model(tmp_path, shape, vocab_size=VOCAB)
-    logits, exported = run_tp_ranks(tmp_path, SEQUENCES)
-    assert_logits_match(hf_model, SEQUENCES, logits)
-    original = read_hf_weights(tmp_path)
-    assert set(exported) == set(original)
-    for name, tensor in original.items():
-        assert torch.equal(torch.from_numpy(exported[name]), tensor), name
-
-
-@pytest.mark.parametrize("shape", [s for s in SHAPES if "moe" in s])
-def test_ep2_logits_equal_transformers_and_export_gathers_every_expert_bit_exact(shape, tmp_path):
-    """Expert parallelism over gloo: each of two ranks holds half the experts, and their token counts differ."""
-    from trainer.hf_checkpoint import read_hf_weights
-
-    hf_model = tiny_hf_model(tmp_path, shape, vocab_size=VOCAB)
-    logits, exported = run_tp_ranks(tmp_path, SEQUENCES, world_size=2, ep_size=2)
-    assert_logits_match(hf_model, SEQUENCES, logits)
-    original = read_hf_weights(tmp_path)
-    assert set(exported) == set(original)
-    for name, tensor in original.items():
-        assert torch.equal(torch.from_numpy(exported[name]), tensor), name
+def test_tp2_logits_equal_transformers_and_export_gathers_bit_exact(parallel_runs, shape):
+    _assert_parallel_run(parallel_runs, shape, "tp2")
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("shape", MOE_SHAPES)
+def test_ep2_logits_equal_transformers_and_export_gathers_every_expert_bit_exact(parallel_runs, shape):
+    """Expert parallelism over gloo: each of two ranks holds half the experts, and their token counts differ."""
+    _assert_parallel_run(parallel_runs, shape, "ep2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoint", [s for s in SHAPES if s not in JOB_SHAPES], indirect=True)
 def test_the_export_serves_in_vllm_and_its_log_probs_equal_the_trainers_before_and_after_a_sync(checkpoint,
                                                                                                ray_session, tmp_path):
     """vLLM builds the family from the exported directory; a sync of other weights (HF names, as the
-    train group publishes them) changes its outputs to exactly what the trainer computes."""
+    train group publishes them) changes its outputs to exactly what the trainer computes. For the shapes
+    without a job: tests/test_model_family_jobs.py checks the JOB_SHAPES' engines against the trainer in a job."""
     from trainer.hf_checkpoint import export_hf_weights, load_hf_weights, write_hf_checkpoint
     from trainer.model import build_gpt_model
     from actors.rollout_engine import EngineConfig, RolloutEnginePool
