@@ -63,18 +63,6 @@ def test_the_engine_samples_with_the_newest_adapter_and_its_log_probs_equal_the_
         engines.shutdown()
 
 
-def test_an_adapter_sent_to_an_engine_without_lora_is_refused_naming_it(ray_session, tmp_path):
-    trainer = inprocess_trainer(sgd_config(model=MODEL, lora=LORA))
-    engines = RolloutEnginePool(EngineConfig(num_engines=1, max_model_len=64),
-                                str(write_hf_config(tmp_path / "engine", MODEL)), policy_version=0)
-    try:
-        weights = _weights(trainer.full_parameters(), trainer.full_parameters(adapters=True))
-        with pytest.raises(EngineError, match=r"carries LoRA adapter\(s\) \['policy'\], but the engine serves none"):
-            ray.get(engines.engines[0].update_weights.remote(0, weights), timeout=120)
-    finally:
-        engines.shutdown()
-
-
 def test_one_engine_serves_two_tenants_each_with_its_own_adapter_and_version(ray_session, tmp_path):
     from tests.test_lora import _tenants_config
 

@@ -18,7 +18,7 @@ import ray
 import torch
 
 from trainer.hf_checkpoint import write_hf_config
-from actors.rollout_engine import EngineConfig, EngineDiedError, RolloutEnginePool
+from actors.rollout_engine import EngineConfig, EngineDiedError, EngineError, RolloutEnginePool
 from trainer.config import ModelConfig
 from actors.weight_sync import publish_weights
 from tests.hf_support import response_log_probs
@@ -281,6 +281,21 @@ def test_utilization_counts_requests_and_splits_the_engines_time_into_busy_and_i
     token_bytes = 2 * MODEL.num_layers * MODEL.num_query_groups * MODEL.head_dim * 4
     ceiling = engines.config.kv_cache_gib * (1 << 30) / token_bytes
     assert 0.5 * ceiling <= after.kv_cache_tokens <= ceiling and engines.kv_cache_tokens() == after.kv_cache_tokens
+
+
+def test_an_adapter_sent_to_an_engine_without_lora_is_refused_naming_it(system):
+    """The module's engine serves no LoRA adapter: a version carrying one is refused before anything loads, and
+    the engine keeps serving the version it held."""
+    from vgbs_ray.models.lora import sync_key
+
+    _, engines, v0, _ = system
+    engine = engines.engines[0]
+    held = ray.get(engine.current_policy_version.remote(), timeout=30)
+    adapter_key = sync_key("decoder.layers.0.self_attention.linear_qkv.lora.policy.q_proj_A")
+    weights = dict(ray.get(v0.ref), **{adapter_key: np.zeros((4, MODEL.hidden_size), dtype=np.float32)})
+    with pytest.raises(EngineError, match=r"carries LoRA adapter\(s\) \['policy'\], but the engine serves none"):
+        ray.get(engine.update_weights.remote(6, weights), timeout=120)
+    assert {g.policy_version for g in engines.generate(PROMPTS, SamplingConfig(max_tokens=2))} == {held}
 
 
 def test_a_dead_engine_is_an_error_naming_it_and_its_replacement_serves_the_newest_weights_first(system):
