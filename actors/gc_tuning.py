@@ -1,5 +1,5 @@
-"""CPython's cyclic garbage collector, tuned where it costs: the SchedulerActor's own worker process, and a
-rollout engine's start.
+"""CPython's cyclic garbage collector, tuned where it costs: the SchedulerActor's own worker process, and the
+start of a rollout engine or a train rank.
 
 The scheduler holds many long-lived small containers (buffered samples, ledger entries); under
 the default thresholds (700, 10, 10) the collector runs every few pushes and its older
