@@ -22,12 +22,11 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = r"""
-import json, os, sys, time
+import contextlib, json, os, sys, time
 sys.path.insert(0, {root!r})
 from actors.gc_tuning import collector_paused
 paused = {paused!r}
 os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCHDYNAMO_DISABLE="1")
-import contextlib
 start = time.perf_counter()
 with collector_paused(freeze=True) if paused else contextlib.nullcontext():
     from vllm import LLM

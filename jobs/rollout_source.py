@@ -19,7 +19,7 @@ starts), starts the engines' processes from `<output_dir>/policy_init`: the mode
 and the job's tokenizer files (`rollout.tokenizer_dir`), no weights (vLLM starts on
 placeholder weights and serves nothing before a load), and creates `num_producers`
 AgentProducers (their processes import the agent and load the tokenizer meanwhile: seconds each).
-`loop.start` publishes the train group's weights (initial or restored) as `policy_version`, waits
+`rollouts.start` publishes the train group's weights (initial or restored) as `policy_version`, waits
 until every engine loaded them, then runs the producers on the prompts: the rows of `rollout.dataset` (read once with
 Ray Data, shared through the object store) or the generator `rollout.prompts`
 (`rollout.num_prompts` of them). Producer i answers positions i, i + n, ... and resumes at
@@ -27,7 +27,7 @@ its saved cursor, so dataset rows are answered exactly once across a resume too.
 
 `publish(group, v)` is the per-step weight sync: `publish_weights` (the train group's gather
 and one copy into the object store; this is the time the trainer spends) and
-`RolloutEnginePool.update_weights` (returns at once: the engines load between batches while the
+`RolloutEnginePool.update_weights` (returns at once: the engines load it with requests in flight while the
 trainer goes on). Engine load times are collected when they have finished, never waited for.
 """
 
