@@ -327,6 +327,7 @@ class TenantJob:
                 "closed_loop": closed_loop_summary(tenant.lines, tenant.watch.reports, tenant.rollouts, stats=stats,
                                                    elapsed_s=elapsed_s),
                 "trainer_time_share": round(tenant.trainer_s / trainer_total, 3),
+                "engine_tokens": tokens[tenant.name],
                 "engine_token_share": round(tokens[tenant.name] / token_total, 3),
                 "samples_per_rollout": round(sum(line.num_samples for line in tenant.lines)
                                              / max(sum(line.num_rollouts for line in tenant.lines), 1), 3),
