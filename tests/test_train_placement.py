@@ -33,8 +33,12 @@ def two_node_cluster():
     restart = ray.is_initialized()
     if restart:  # this module needs its own (multi-node) cluster
         ray.shutdown()
+    # The GCS declares a node dead after `health_check_failure_threshold` failed checks `health_check_period_ms`
+    # apart (Ray's defaults: 5 x 3 s); a removed node's checks fail at once, so 3 x 0.5 s is as sure, 13 s sooner.
+    fast_node_death = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
     cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=False,
-                                                                object_store_memory=128 << 20))
+                                                                object_store_memory=128 << 20,
+                                                                _system_config=fast_node_death))
     workers = [cluster.add_node(num_cpus=2, object_store_memory=128 << 20) for _ in range(2)]
     ray.init(address=cluster.address, log_to_driver=False)
     cluster.wait_for_nodes()
