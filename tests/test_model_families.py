@@ -135,25 +135,52 @@ def test_ep2_logits_equal_transformers_and_export_gathers_every_expert_bit_exact
     _assert_parallel_run(parallel_runs, shape, "ep2")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("checkpoint", [s for s in SHAPES if s not in JOB_SHAPES], indirect=True)
-def test_the_export_serves_in_vllm_and_its_log_probs_equal_the_trainers_before_and_after_a_sync(checkpoint,
-                                                                                               ray_session, tmp_path):
-    """vLLM builds the family from the exported directory; a sync of other weights (HF names, as the
-    train group publishes them) changes its outputs to exactly what the trainer computes. For the shapes
-    without a job: tests/test_model_family_jobs.py checks the JOB_SHAPES' engines against the trainer in a job."""
-    from trainer.hf_checkpoint import export_hf_weights, load_hf_weights, write_hf_checkpoint
+SERVED_SHAPES = [s for s in SHAPES if s not in JOB_SHAPES]
+"""The shapes without a job (tests/test_model_family_jobs.py checks the JOB_SHAPES' engines against the trainer)."""
+
+
+@pytest.fixture(scope="module")
+def served_exports(ray_session, tmp_path_factory):
+    """{shape: (ModelConfig, Megatron model at TP=1, its export, an engine pool serving the export)}: every
+    SERVED_SHAPES engine starts at once (a start is one core's work for ~10 s), each test then uses its own."""
+    from trainer.hf_checkpoint import export_hf_weights, write_hf_checkpoint
     from trainer.model import build_gpt_model
     from actors.rollout_engine import EngineConfig, RolloutEnginePool
+
+    ensure_single_process_group()
+    served = {}
+    try:
+        for shape in SERVED_SHAPES:
+            path = tmp_path_factory.mktemp(f"{shape}-served")
+            tiny_hf_model(path, shape, vocab_size=VOCAB)
+            config = model_config_for(path)
+            model = build_gpt_model(config).eval()
+            exported = export_hf_weights(model, config)
+            out = write_hf_checkpoint(path / "export", config, exported)
+            engines = RolloutEnginePool(EngineConfig(num_engines=1, max_model_len=64), str(out), wait=False,
+                                        name_prefix=f"served-{shape}")
+            served[shape] = (config, model, exported, engines)
+        yield served
+    finally:
+        for *_, engines in served.values():
+            engines.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SERVED_SHAPES)
+def test_the_export_serves_in_vllm_and_its_log_probs_equal_the_trainers_before_and_after_a_sync(served_exports, shape,
+                                                                                               ray_session):
+    """vLLM builds the family from the exported directory; a sync of other weights (HF names, as the
+    train group publishes them) changes its outputs to exactly what the trainer computes."""
+    from trainer.hf_checkpoint import load_hf_weights
+    from trainer.model import build_gpt_model
     from actors.weight_sync import PublishedWeights
     from vgbs_ray.agents import SamplingConfig
 
-    _, _, _, config, model = checkpoint
-    exported = export_hf_weights(model, config)
-    out = write_hf_checkpoint(tmp_path / "export", config, exported)
+    config, model, exported, engines = served_exports[shape]
     prompts = [SEQUENCES[0], SEQUENCES[1][:20]]
     sampling = SamplingConfig(max_tokens=10, seed=3)
-    engines = RolloutEnginePool(EngineConfig(num_engines=1, max_model_len=64), str(out))
+    engines.wait_started()
     try:
         generations = engines.generate(prompts, sampling)
         for got, expected in zip([g.response_log_probs for g in generations], response_log_probs(model, generations)):
