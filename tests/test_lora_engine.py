@@ -31,13 +31,37 @@ def _weights(base: dict, adapters: dict) -> dict[str, np.ndarray]:
     return {name: t.numpy() for name, t in hf_tensors_from_full(base, MODEL, adapters=adapters).items()}
 
 
-def test_the_engine_samples_with_the_newest_adapter_and_its_log_probs_equal_the_trainers(ray_session, tmp_path):
+def _tenant_adapters():
+    from tests.test_lora import _tenants_config
+
+    config = dataclasses.replace(_tenants_config(), model=MODEL)
+    return config, tuple((name, adapter.lora) for name, adapter in config.adapters.items())
+
+
+@pytest.fixture(scope="module")
+def lora_engines(ray_session, tmp_path_factory):
+    """{"policy": an engine serving one adapter, "tenants": one serving the tenants' two}: both start at once (a
+    start is one core's work for ~7 s); each test waits for its own."""
+    model_dir = str(write_hf_config(tmp_path_factory.mktemp("lora-engine"), MODEL))
+    configs = {"policy": (("policy", LORA),), "tenants": _tenant_adapters()[1]}
+    pools = {}
+    try:
+        for name, adapters in configs.items():
+            pools[name] = RolloutEnginePool(EngineConfig(num_engines=1, max_model_len=MODEL.max_position_embeddings,
+                                                         lora_adapters=adapters), model_dir, policy_version=1 if name == "policy" else 0,
+                                            name_prefix=f"lora-{name}", wait=False)
+        yield pools
+    finally:
+        for pool in pools.values():
+            pool.shutdown()
+
+
+def test_the_engine_samples_with_the_newest_adapter_and_its_log_probs_equal_the_trainers(lora_engines):
     trainer = inprocess_trainer(sgd_config(model=MODEL, lora=LORA))
     model = trainer.megatron.chunks[0].module
     base, first = trainer.full_parameters(), random_adapters(trainer, 1, scale=0.3)
-    engines = RolloutEnginePool(EngineConfig(num_engines=1, max_model_len=MODEL.max_position_embeddings,
-                                             lora_adapters=(("policy", LORA),)),
-                                str(write_hf_config(tmp_path / "engine", MODEL)), policy_version=1)
+    engines = lora_engines["policy"]
+    engines.wait_started()
     try:
         engine = engines.engines[0]
         full_load = ray.get(engine.update_weights.remote(1, _weights(base, first)), timeout=120)
@@ -63,18 +87,14 @@ def test_the_engine_samples_with_the_newest_adapter_and_its_log_probs_equal_the_
         engines.shutdown()
 
 
-def test_one_engine_serves_two_tenants_each_with_its_own_adapter_and_version(ray_session, tmp_path):
-    from tests.test_lora import _tenants_config
-
-    config = dataclasses.replace(_tenants_config(), model=MODEL)
+def test_one_engine_serves_two_tenants_each_with_its_own_adapter_and_version(lora_engines):
+    config, _ = _tenant_adapters()
     trainer = inprocess_trainer(config)
     model = trainer.megatron.chunks[0].module
     adapters = random_adapters(trainer, 5, scale=0.3)
     trainer.load_full_parameters(adapters)
-    lora_adapters = tuple((name, adapter.lora) for name, adapter in config.adapters.items())
-    engines = RolloutEnginePool(EngineConfig(num_engines=1, max_model_len=MODEL.max_position_embeddings,
-                                             lora_adapters=lora_adapters),
-                                str(write_hf_config(tmp_path / "engine", MODEL)), policy_version=0)
+    engines = lora_engines["tenants"]
+    engines.wait_started()
     try:
         engine = engines.engines[0]
         math = {name: a for name, a in adapters.items() if ".lora.math." in name}
