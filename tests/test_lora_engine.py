@@ -43,12 +43,13 @@ def lora_engines(ray_session, tmp_path_factory):
     """{"policy": an engine serving one adapter, "tenants": one serving the tenants' two}: both start at once (a
     start is one core's work for ~7 s); each test waits for its own."""
     model_dir = str(write_hf_config(tmp_path_factory.mktemp("lora-engine"), MODEL))
-    configs = {"policy": (("policy", LORA),), "tenants": _tenant_adapters()[1]}
+    configs = {"policy": ((("policy", LORA),), 1), "tenants": (_tenant_adapters()[1], 0)}  # adapters, version
     pools = {}
     try:
-        for name, adapters in configs.items():
-            pools[name] = RolloutEnginePool(EngineConfig(num_engines=1, max_model_len=MODEL.max_position_embeddings,
-                                                         lora_adapters=adapters), model_dir, policy_version=1 if name == "policy" else 0,
+        for name, (adapters, version) in configs.items():
+            engine_config = EngineConfig(num_engines=1, max_model_len=MODEL.max_position_embeddings,
+                                         lora_adapters=adapters)
+            pools[name] = RolloutEnginePool(engine_config, model_dir, policy_version=version,
                                             name_prefix=f"lora-{name}", wait=False)
         yield pools
     finally:
