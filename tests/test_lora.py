@@ -1,7 +1,7 @@
 """LoRA on the Megatron trainer: exactness at start, only adapters train, TP/DP invariance, PEFT files that peft loads.
 
-In-process ranks (a world-size-1 gloo group) and two spawned gloo ranks for TP=2 and DP=2; the Hugging Face side
-is transformers + peft on tiny random checkpoints made in code.
+In-process ranks (a world-size-1 gloo group) and two spawned gloo ranks for TP=2, DP=2 and PP=2 (one spawn); the
+Hugging Face side is transformers + peft on tiny random checkpoints made in code.
 """
 
 from __future__ import annotations
@@ -83,40 +83,50 @@ def test_a_step_trains_the_adapters_and_leaves_every_base_weight_bit_identical()
     assert all(change > 0 for change in moved.values()), moved  # A and B of every target
 
 
-def _lora_step_worker(rank: int, port: int, layout: str, samples, start: dict, results) -> None:
-    """Spawned: TP=2, DP=2 or PP=2 ranks train one LoRA step from `start`; rank 0 reports (logits before, adapters
-    after: gathered over the stages)."""
+LAYOUTS = {"tp": (2, 1, 1), "dp": (1, 2, 1), "pp": (1, 1, 2)}
+"""(tp_size, dp_size, pp_size) of each two-rank layout."""
+
+
+def _lora_step_worker(rank: int, port: int, more_ports: list[int], samples, start: dict, results) -> None:
+    """Spawned: for each of LAYOUTS in turn (a process group of its own each, on `port` then `more_ports`), two
+    ranks train one LoRA step from `start`; rank 0 reports, per layout, the logits before (TP: gathered; PP: None)
+    and the adapters after (gathered over the stages). One spawn for all three: a spawn costs more than a step."""
     try:
         torch.set_num_threads(1)
-        from trainer.distributed import init_distributed
+        from trainer.distributed import destroy_distributed, init_distributed
         from trainer.rank_trainer import RankTrainer
 
-        tp_size, dp_size, pp_size = {"tp": (2, 1, 1), "dp": (1, 2, 1), "pp": (1, 1, 2)}[layout]
-        info = init_distributed(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port, backend="gloo",
-                                timeout_s=60, tp_size=tp_size, pp_size=pp_size, cp_size=1)
-        trainer = RankTrainer(sgd_config(lora=LORA, tp_size=tp_size, dp_size=dp_size, pp_size=pp_size), info)
-        trainer.load_full_parameters(start)
-        logits = None
-        if pp_size == 1:
-            logits = megatron_logits(trainer.megatron.chunks[0].module, list(range(3, 30))).contiguous()
-        if tp_size == 2:  # the vocabulary is split over TP ranks
-            parts = [torch.empty_like(logits) for _ in range(2)]
-            torch.distributed.all_gather(parts, logits)
-            logits = torch.cat(parts, dim=-1)
-        trainer.train_shard(one_step_shards(samples, dp_size)[info.dp_rank])
-        adapters = trainer.full_parameters(adapters=True)
-        results.put((rank, None if logits is None else logits.numpy(), adapters, None) if rank == 0
-                    else (rank, None, None, None))
+        reports = {}
+        for (layout, (tp_size, dp_size, pp_size)), layout_port in zip(LAYOUTS.items(), [port, *more_ports]):
+            info = init_distributed(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=layout_port,
+                                    backend="gloo", timeout_s=60, tp_size=tp_size, pp_size=pp_size, cp_size=1)
+            trainer = RankTrainer(sgd_config(lora=LORA, tp_size=tp_size, dp_size=dp_size, pp_size=pp_size), info)
+            trainer.load_full_parameters(start)
+            logits = None
+            if pp_size == 1:
+                logits = megatron_logits(trainer.megatron.chunks[0].module, list(range(3, 30))).contiguous()
+            if tp_size == 2:  # the vocabulary is split over TP ranks
+                parts = [torch.empty_like(logits) for _ in range(2)]
+                torch.distributed.all_gather(parts, logits)
+                logits = torch.cat(parts, dim=-1)
+            trainer.train_shard(one_step_shards(samples, dp_size)[info.dp_rank])
+            adapters = trainer.full_parameters(adapters=True)
+            reports[layout] = (None if logits is None else logits.numpy(), adapters)
+            destroy_distributed()
+        results.put((rank, reports if rank == 0 else None, None))
     except BaseException as error:  # report, never hang the parent
-        results.put((rank, None, None, repr(error)))
+        results.put((rank, None, repr(error)))
     finally:
         results.close()
         results.join_thread()
         os._exit(0)
 
 
-@pytest.mark.parametrize("layout", ["tp", "dp", "pp"])
-def test_a_lora_step_at_tp2_dp2_and_pp2_equals_the_step_at_one_rank(layout):
+@pytest.fixture(scope="module")
+def one_rank_and_layouts():
+    """The step at one rank (logits before, adapters before and after) and rank 0's report of every layout."""
+    from trainer.distributed import find_free_port
+
     samples = make_samples(5, 8)
     trainer = inprocess_trainer(sgd_config(lora=LORA))
     start = {**trainer.full_parameters(), **random_adapters(trainer, 2)}
@@ -125,7 +135,17 @@ def test_a_lora_step_at_tp2_dp2_and_pp2_equals_the_step_at_one_rank(layout):
     before = trainer.full_parameters(adapters=True)
     trainer.train_shard(one_step_shards(samples, 1)[0])
     expected = trainer.full_parameters(adapters=True)
-    (_, logits, adapters, _), _ = run_two_ranks(_lora_step_worker, layout, samples, start)
+    more_ports: list[int] = []
+    while len(more_ports) < len(LAYOUTS) - 1:  # each layout's rendezvous on a port of its own
+        more_ports += [port for port in [find_free_port()] if port not in more_ports]
+    (_, reports, _), _ = run_two_ranks(_lora_step_worker, more_ports, samples, start)
+    return expected_logits, before, expected, reports
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_lora_step_at_tp2_dp2_and_pp2_equals_the_step_at_one_rank(one_rank_and_layouts, layout):
+    expected_logits, before, expected, reports = one_rank_and_layouts
+    logits, adapters = reports[layout]
     if logits is not None:  # pp: the stages' logits are not one rank's
         np.testing.assert_allclose(logits, expected_logits, atol=2e-5, rtol=0)
     for name in expected:
