@@ -15,7 +15,7 @@ import torch
 
 from trainer.config import TrainGroupConfig
 from tests.hf_support import megatron_logits, model_config_for, tiny_hf_model
-from tests.train_support import inprocess_trainer, layout_shards, make_samples, run_two_ranks, sgd_config
+from tests.train_support import free_ports, inprocess_trainer, layout_shards, make_samples, run_two_ranks, sgd_config
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.models.lora import (AdapterMismatchError, LoraConfig, base_model_name, load_peft_adapter,
                            merge_into_hf_weights, save_peft_adapter)
@@ -125,8 +125,6 @@ def _lora_step_worker(rank: int, port: int, more_ports: list[int], samples, star
 @pytest.fixture(scope="module")
 def one_rank_and_layouts():
     """The step at one rank (logits before, adapters before and after) and rank 0's report of every layout."""
-    from trainer.distributed import find_free_port
-
     samples = make_samples(5, 8)
     trainer = inprocess_trainer(sgd_config(lora=LORA))
     start = {**trainer.full_parameters(), **random_adapters(trainer, 2)}
@@ -135,10 +133,7 @@ def one_rank_and_layouts():
     before = trainer.full_parameters(adapters=True)
     trainer.train_shard(one_step_shards(samples, 1)[0])
     expected = trainer.full_parameters(adapters=True)
-    more_ports: list[int] = []
-    while len(more_ports) < len(LAYOUTS) - 1:  # each layout's rendezvous on a port of its own
-        more_ports += [port for port in [find_free_port()] if port not in more_ports]
-    (_, reports, _), _ = run_two_ranks(_lora_step_worker, more_ports, samples, start)
+    (_, reports, _), _ = run_two_ranks(_lora_step_worker, free_ports(len(LAYOUTS) - 1), samples, start)
     return expected_logits, before, expected, reports
 
 

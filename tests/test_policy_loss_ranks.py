@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from trainer.config import LossConfig
-from tests.train_support import (assert_same_update, inprocess_trainer, loss_cases_worker, make_samples,
+from tests.train_support import (assert_same_update, free_ports, inprocess_trainer, loss_cases_worker, make_samples,
                                  layout_shards, run_two_ranks, sgd_config, update_between)
 from vgbs_ray.losses import CorrectionConfig
 from vgbs_ray.metrics import reduce_metric_pairs
@@ -57,10 +57,13 @@ def _shards(samples, dp_size: int):
     return layout_shards(samples, dp_size=dp_size, max_tokens=120)
 
 
-def _spawned(pp_size: int, cases: list, initial: dict) -> dict:
-    """{case: (update, metric pairs summed over the ranks)} from two spawned ranks."""
-    (_, first, _), (_, second, _) = run_two_ranks(loss_cases_worker, pp_size, cases, initial)
-    return {name: (first[name][0], reduce_metric_pairs([first[name][1], second[name][1]])) for name in first}
+def _spawned(runs: list, initial: dict) -> list[dict]:
+    """Per (pp_size, cases) of `runs`: {case: (update, metric pairs summed over the ranks)}, from one spawn of two
+    ranks (a spawn costs more than its steps)."""
+    (_, first_runs, _), (_, second_runs, _) = run_two_ranks(loss_cases_worker, free_ports(len(runs) - 1), runs,
+                                                            initial)
+    return [{name: (first[name][0], reduce_metric_pairs([first[name][1], second[name][1]])) for name in first}
+            for first, second in zip(first_runs, second_runs)]
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +92,10 @@ def step_results():
     lone_result = trainer.train_shard(lone1)
     one["gspo_lone_rank"] = (update_between(initial, trainer.full_parameters()), lone_result.metrics)
     cases = list(CASES.items())
-    return {"dp1": one,
-            "dp2": _spawned(1, [(n, c, dp2) for n, c in cases] + [("gspo_lone_rank", CASES["gspo_rollout"], lone2)],
-                            initial),
-            "pp2": _spawned(2, [(n, c, [dp1]) for n, c in cases] + [("gspo_lone_rank", CASES["gspo_rollout"], [lone1])],
-                            initial)}
+    dp2_run = (1, [(n, c, dp2) for n, c in cases] + [("gspo_lone_rank", CASES["gspo_rollout"], lone2)])
+    pp2_run = (2, [(n, c, [dp1]) for n, c in cases] + [("gspo_lone_rank", CASES["gspo_rollout"], [lone1])])
+    dp2_results, pp2_results = _spawned([dp2_run, pp2_run], initial)
+    return {"dp1": one, "dp2": dp2_results, "pp2": pp2_results}
 
 
 @pytest.mark.parametrize("name", [*CASES, "gspo_lone_rank"])

@@ -238,24 +238,39 @@ def record_collectives_worker(rank: int, port: int, shards_by_phase: dict, pp_si
 
 # -- two spawned ranks that train several loss configs (used by test_policy_loss_ranks) ----------
 
-def loss_cases_worker(rank: int, port: int, pp_size: int, cases: list, initial: dict, results) -> None:
-    """Spawned per rank: join a 2-rank gloo group (dp=2, or pp=2); for each (name, LossConfig, shards), a fresh
-    rank from `initial` trains its shard once. Reports per case the update (rank 0) and this rank's metric pairs."""
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports: one rendezvous each for a spawn that makes several process groups in turn."""
+    from trainer.distributed import find_free_port
+
+    ports: list[int] = []
+    while len(ports) < count:
+        ports += [port for port in [find_free_port()] if port not in ports]
+    return ports
+
+
+def loss_cases_worker(rank: int, port: int, more_ports: list[int], runs: list, initial: dict, results) -> None:
+    """Spawned per rank: for each (pp_size, cases) of `runs` in turn, join a 2-rank gloo group (dp=2, or pp=2; on
+    `port`, then `more_ports`); for each (name, LossConfig, shards) of its cases, a fresh rank from `initial` trains
+    its shard once. Reports per run and case the update (rank 0) and this rank's metric pairs."""
     try:
         torch.set_num_threads(1)
-        from trainer.distributed import init_distributed
+        from trainer.distributed import destroy_distributed, init_distributed
         from trainer.rank_trainer import RankTrainer
 
-        info = init_distributed(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
-                                backend="gloo", timeout_s=60, tp_size=1, pp_size=pp_size, cp_size=1)
-        by_case = {}
-        for name, loss, shards in cases:
-            trainer = RankTrainer(sgd_config(dp_size=2 // pp_size, pp_size=pp_size, loss=loss), info)
-            trainer.load_full_parameters(initial)
-            result = trainer.train_shard(shards[info.dp_rank])
-            after = trainer.full_parameters()
-            by_case[name] = (update_between(initial, after) if rank == 0 else None, result.metrics)
-        results.put((rank, by_case, None))
+        by_run = []
+        for (pp_size, cases), run_port in zip(runs, [port, *more_ports]):
+            info = init_distributed(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=run_port,
+                                    backend="gloo", timeout_s=60, tp_size=1, pp_size=pp_size, cp_size=1)
+            by_case = {}
+            for name, loss, shards in cases:
+                trainer = RankTrainer(sgd_config(dp_size=2 // pp_size, pp_size=pp_size, loss=loss), info)
+                trainer.load_full_parameters(initial)
+                result = trainer.train_shard(shards[info.dp_rank])
+                after = trainer.full_parameters()
+                by_case[name] = (update_between(initial, after) if rank == 0 else None, result.metrics)
+            by_run.append(by_case)
+            destroy_distributed()
+        results.put((rank, by_run, None))
     except BaseException as error:  # report, never hang the parent
         results.put((rank, None, repr(error)))
     finally:
