@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.train_support import (assert_same_update, inprocess_trainer, layout_shards, make_samples,
+from tests.train_support import (assert_same_update, free_ports, inprocess_trainer, layout_shards, make_samples,
                                  record_collectives_worker, reference_update, relative_difference, run_two_ranks,
                                  sgd_config, update_between)
 from vgbs_ray.config import BatchConfig, ParallelConfig
@@ -101,35 +101,45 @@ def test_variable_size_steps_24_then_8_rollouts():
     assert [r.consumed_rollouts for r in results] == [24, 32]
 
 
-def _record_collectives(shards_by_phase: dict, pp_size: int = 1) -> list:
-    """Run each phase's shards on two spawned gloo ranks; per rank: (rank, {phase: (calls, count)}, params, error)."""
-    return run_two_ranks(record_collectives_worker, shards_by_phase, pp_size, timeout_s=180)
-
-
-def test_a_step_issues_only_the_gradient_and_grad_norm_sums():
-    """Two spawned gloo ranks (dp=2) record every torch.distributed collective of a step."""
+@pytest.fixture(scope="module")
+def recorded_collectives():
+    """Every torch.distributed collective of a step, recorded on two spawned gloo ranks: at dp=2 ("layout": a step
+    of 8 samples, "lone": a step of one sample) and at pp=2 ("pipelined"), in one spawn (a spawn costs more than
+    its steps). Returns {phase: per rank (calls, micro-batches)}, each rank's parameter count at dp=2, and the
+    layouts trained."""
     samples = make_samples(17, 8)
     layout = build_step_shards(samples, _schedule(samples, dp_size=2, max_tokens=100).steps[0], 0)
     # a step of one sample: the scheduler gives the second rank only a padding micro-batch; it still joins
     # every collective, the same ones
     lone = layout_shards(make_samples(20, 1, max_siblings=1), dp_size=2, step=1)
-    assert sorted(s.num_samples for s in lone) == [0, 1]
-    for rank, by_phase, num_params, _ in _record_collectives({"layout": layout, "lone": lone}):
-        calls, num_microbatches = by_phase["layout"]
-        assert num_microbatches == layout[rank].num_microbatches > 1
+    pipelined_samples = make_samples(19, 8)
+    pipelined = build_step_shards(pipelined_samples, _schedule(pipelined_samples, max_tokens=100).steps[0], 0)
+    runs = [(1, {"layout": layout, "lone": lone}), (2, {"pipelined": pipelined})]
+    reports = run_two_ranks(record_collectives_worker, free_ports(1), runs, timeout_s=180)
+    by_phase = {phase: [by_run[index][0][phase] for _, by_run, _ in reports]
+                for index, (_, phases) in enumerate(runs) for phase in phases}
+    return by_phase, [by_run[0][1] for _, by_run, _ in reports], {"layout": layout, "lone": lone,
+                                                                   "pipelined": pipelined}
+
+
+def test_a_step_issues_only_the_gradient_and_grad_norm_sums(recorded_collectives):
+    """Two spawned gloo ranks (dp=2) record every torch.distributed collective of a step."""
+    by_phase, num_params, layouts = recorded_collectives
+    assert sorted(s.num_samples for s in layouts["lone"]) == [0, 1]
+    for rank in range(2):
+        calls, num_microbatches = by_phase["layout"][rank]
+        assert num_microbatches == layouts["layout"][rank].num_microbatches > 1
         # exactly: Megatron DDP's gradient SUM (one flat buffer), then its optimizer's SUM of the squared
         # grad norm over the model-parallel group. Metrics travel in the result, not in a collective.
-        assert calls == [("all_reduce", "SUM", num_params), ("all_reduce", "SUM", 1)]
-        assert by_phase["lone"][0] == calls
+        assert calls == [("all_reduce", "SUM", num_params[rank]), ("all_reduce", "SUM", 1)]
+        assert by_phase["lone"][rank][0] == calls
 
 
-def test_a_pipelined_step_agrees_on_no_count():
+def test_a_pipelined_step_agrees_on_no_count(recorded_collectives):
     """PP=2 on two spawned gloo ranks: stages exchange activations point to point, never an all-reduce(MAX)."""
-    samples = make_samples(19, 8)
-    layout = build_step_shards(samples, _schedule(samples, max_tokens=100).steps[0], 0)
-    for rank, by_phase, _, _ in _record_collectives({"layout": layout}, pp_size=2):
-        calls, num_microbatches = by_phase["layout"]
-        assert num_microbatches == layout[0].num_microbatches > 1
+    by_phase, _, layouts = recorded_collectives
+    for calls, num_microbatches in by_phase["pipelined"]:
+        assert num_microbatches == layouts["pipelined"][0].num_microbatches > 1
         assert not [c for c in calls if c[:2] == ("all_reduce", "MAX")], calls
         point_to_point = [c for c in calls if c[0] in ("send", "recv", "isend", "irecv")]
         assert len(point_to_point) >= 2 * num_microbatches  # activations forward, gradients back (and shapes)

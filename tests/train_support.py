@@ -183,8 +183,10 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sca
                "reduce", "barrier", "all_to_all_single", "send", "recv", "isend", "irecv")
 
 
-def record_collectives_worker(rank: int, port: int, shards_by_phase: dict, pp_size: int, results) -> None:
-    """Spawned per rank: join a 2-rank gloo group (dp=2, or pp=2), train each phase's shard, record collectives.
+def record_collectives_worker(rank: int, port: int, more_ports: list[int], runs: list, results) -> None:
+    """Spawned per rank: for each (pp_size, shards_by_phase) of `runs` in turn, join a 2-rank gloo group (dp=2, or
+    pp=2; on `port`, then `more_ports`), train each phase's shard, record collectives. Reports per run
+    ({phase: (calls, micro-batches)}, the rank's parameter count).
 
     The patch lives only in this spawned process and only around `train_shard`.
     """
@@ -192,12 +194,9 @@ def record_collectives_worker(rank: int, port: int, shards_by_phase: dict, pp_si
         torch.set_num_threads(1)
         import torch.distributed as dist
 
-        from trainer.distributed import init_distributed
+        from trainer.distributed import destroy_distributed, init_distributed
         from trainer.rank_trainer import RankTrainer
 
-        info = init_distributed(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
-                                backend="gloo", timeout_s=60, tp_size=1, pp_size=pp_size, cp_size=1)
-        trainer = RankTrainer(sgd_config(dp_size=2 // pp_size, pp_size=pp_size), info)
         recorded: list = []
 
         def wrap(name, original):
@@ -210,26 +209,32 @@ def record_collectives_worker(rank: int, port: int, shards_by_phase: dict, pp_si
             return recording
 
         originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
-        by_phase = {}
-        for phase, shards in shards_by_phase.items():
-            recorded.clear()
-            for name, original in originals.items():
-                wrapped = wrap(name, original)
-                setattr(dist, name, wrapped)
-                if name in ("isend", "irecv"):  # P2POp accepts only the functions c10d itself names
-                    setattr(dist.distributed_c10d, name, wrapped)
-            try:
-                result = trainer.train_shard(shards[info.dp_rank])
-            finally:
+        by_run = []
+        for (pp_size, shards_by_phase), run_port in zip(runs, [port, *more_ports]):
+            info = init_distributed(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=run_port,
+                                    backend="gloo", timeout_s=60, tp_size=1, pp_size=pp_size, cp_size=1)
+            trainer = RankTrainer(sgd_config(dp_size=2 // pp_size, pp_size=pp_size), info)
+            by_phase = {}
+            for phase, shards in shards_by_phase.items():
+                recorded.clear()
                 for name, original in originals.items():
-                    setattr(dist, name, original)
-                    if name in ("isend", "irecv"):
-                        setattr(dist.distributed_c10d, name, original)
-            by_phase[phase] = (list(recorded), result.num_microbatches)
-        num_params = sum(p.numel() for p in trainer.params)
-        results.put((rank, by_phase, num_params, None))
+                    wrapped = wrap(name, original)
+                    setattr(dist, name, wrapped)
+                    if name in ("isend", "irecv"):  # P2POp accepts only the functions c10d itself names
+                        setattr(dist.distributed_c10d, name, wrapped)
+                try:
+                    result = trainer.train_shard(shards[info.dp_rank])
+                finally:
+                    for name, original in originals.items():
+                        setattr(dist, name, original)
+                        if name in ("isend", "irecv"):
+                            setattr(dist.distributed_c10d, name, original)
+                by_phase[phase] = (list(recorded), result.num_microbatches)
+            by_run.append((by_phase, sum(p.numel() for p in trainer.params)))
+            destroy_distributed()
+        results.put((rank, by_run, None))
     except BaseException as error:  # report, never hang the parent
-        results.put((rank, None, None, repr(error)))
+        results.put((rank, None, repr(error)))
     finally:
         results.close()
         results.join_thread()  # flush the result before the hard exit
