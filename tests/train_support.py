@@ -177,6 +177,16 @@ def run_two_ranks(worker, *args, timeout_s: float = 300) -> list[tuple]:
     return sorted(reports, key=lambda report: report[0])
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports: one rendezvous each for a spawn that makes several process groups in turn."""
+    from trainer.distributed import find_free_port
+
+    ports: list[int] = []
+    while len(ports) < count:
+        ports += [port for port in [find_free_port()] if port not in ports]
+    return ports
+
+
 # -- a two-process step that records every collective (used by test_train_step) --------
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
@@ -242,16 +252,6 @@ def record_collectives_worker(rank: int, port: int, more_ports: list[int], runs:
 
 
 # -- two spawned ranks that train several loss configs (used by test_policy_loss_ranks) ----------
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct free ports: one rendezvous each for a spawn that makes several process groups in turn."""
-    from trainer.distributed import find_free_port
-
-    ports: list[int] = []
-    while len(ports) < count:
-        ports += [port for port in [find_free_port()] if port not in ports]
-    return ports
-
 
 def loss_cases_worker(rank: int, port: int, more_ports: list[int], runs: list, initial: dict, results) -> None:
     """Spawned per rank: for each (pp_size, cases) of `runs` in turn, join a 2-rank gloo group (dp=2, or pp=2; on
