@@ -15,7 +15,8 @@ import torch
 
 from trainer.config import TrainGroupConfig
 from tests.hf_support import megatron_logits, model_config_for, tiny_hf_model
-from tests.train_support import free_ports, inprocess_trainer, layout_shards, make_samples, run_two_ranks, sgd_config
+from tests.train_support import (free_ports, inprocess_trainer, layout_shards, make_samples, process_groups_in_turn,
+                                 run_two_ranks, sgd_config)
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.models.lora import (AdapterMismatchError, LoraConfig, base_model_name, load_peft_adapter,
                            merge_into_hf_weights, save_peft_adapter)
@@ -93,13 +94,11 @@ def _lora_step_worker(rank: int, port: int, more_ports: list[int], samples, star
     and the adapters after (gathered over the stages). One spawn for all three: a spawn costs more than a step."""
     try:
         torch.set_num_threads(1)
-        from trainer.distributed import destroy_distributed, init_distributed
         from trainer.rank_trainer import RankTrainer
 
         reports = {}
-        for (layout, (tp_size, dp_size, pp_size)), layout_port in zip(LAYOUTS.items(), [port, *more_ports]):
-            info = init_distributed(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=layout_port,
-                                    backend="gloo", timeout_s=60, tp_size=tp_size, pp_size=pp_size, cp_size=1)
+        groups = process_groups_in_turn(rank, [port, *more_ports], [(tp, pp) for tp, _, pp in LAYOUTS.values()])
+        for (layout, (tp_size, dp_size, pp_size)), info in zip(LAYOUTS.items(), groups):
             trainer = RankTrainer(sgd_config(lora=LORA, tp_size=tp_size, dp_size=dp_size, pp_size=pp_size), info)
             trainer.load_full_parameters(start)
             logits = None
@@ -112,7 +111,6 @@ def _lora_step_worker(rank: int, port: int, more_ports: list[int], samples, star
             trainer.train_shard(one_step_shards(samples, dp_size)[info.dp_rank])
             adapters = trainer.full_parameters(adapters=True)
             reports[layout] = (None if logits is None else logits.numpy(), adapters)
-            destroy_distributed()
         results.put((rank, reports if rank == 0 else None, None))
     except BaseException as error:  # report, never hang the parent
         results.put((rank, None, repr(error)))

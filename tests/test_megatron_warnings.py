@@ -23,10 +23,16 @@ def not_installed_lines(*scripts: str) -> list[list[str]]:
     processes = [subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for script in scripts]
     found = []
-    for process in processes:
-        stdout, stderr = process.communicate(timeout=180)
-        assert process.returncode == 0, stderr[-3000:]
-        found.append([line for line in (stdout + stderr).splitlines() if "not installed" in line])
+    try:
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=180)
+            assert process.returncode == 0, stderr[-3000:]
+            found.append([line for line in (stdout + stderr).splitlines() if "not installed" in line])
+    finally:  # a failed one leaves none of the others running
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     return found
 
 

@@ -177,6 +177,21 @@ def run_two_ranks(worker, *args, timeout_s: float = 300) -> list[tuple]:
     return sorted(reports, key=lambda report: report[0])
 
 
+def process_groups_in_turn(rank: int, ports: list[int], sizes: list[tuple[int, int]]):
+    """In a spawned rank of `run_two_ranks`: for each (tp_size, pp_size) of `sizes`, a 2-rank gloo group on its own
+    port of `ports` with Megatron's parallel state, yielded as this rank's RankInfo, torn down before the next (one
+    spawn for several layouts: a spawn costs more than a step)."""
+    from trainer.distributed import destroy_distributed, init_distributed
+
+    for (tp_size, pp_size), port in zip(sizes, ports, strict=True):
+        info = init_distributed(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port, backend="gloo",
+                                timeout_s=60, tp_size=tp_size, pp_size=pp_size, cp_size=1)
+        try:
+            yield info
+        finally:
+            destroy_distributed()
+
+
 def free_ports(count: int) -> list[int]:
     """`count` distinct free ports: one rendezvous each for a spawn that makes several process groups in turn."""
     from trainer.distributed import find_free_port
@@ -204,7 +219,6 @@ def record_collectives_worker(rank: int, port: int, more_ports: list[int], runs:
         torch.set_num_threads(1)
         import torch.distributed as dist
 
-        from trainer.distributed import destroy_distributed, init_distributed
         from trainer.rank_trainer import RankTrainer
 
         recorded: list = []
@@ -220,9 +234,8 @@ def record_collectives_worker(rank: int, port: int, more_ports: list[int], runs:
 
         originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
         by_run = []
-        for (pp_size, shards_by_phase), run_port in zip(runs, [port, *more_ports]):
-            info = init_distributed(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=run_port,
-                                    backend="gloo", timeout_s=60, tp_size=1, pp_size=pp_size, cp_size=1)
+        groups = process_groups_in_turn(rank, [port, *more_ports], [(1, pp_size) for pp_size, _ in runs])
+        for (pp_size, shards_by_phase), info in zip(runs, groups):
             trainer = RankTrainer(sgd_config(dp_size=2 // pp_size, pp_size=pp_size), info)
             by_phase = {}
             for phase, shards in shards_by_phase.items():
@@ -241,7 +254,6 @@ def record_collectives_worker(rank: int, port: int, more_ports: list[int], runs:
                             setattr(dist.distributed_c10d, name, original)
                 by_phase[phase] = (list(recorded), result.num_microbatches)
             by_run.append((by_phase, sum(p.numel() for p in trainer.params)))
-            destroy_distributed()
         results.put((rank, by_run, None))
     except BaseException as error:  # report, never hang the parent
         results.put((rank, None, repr(error)))
@@ -259,13 +271,11 @@ def loss_cases_worker(rank: int, port: int, more_ports: list[int], runs: list, i
     its shard once. Reports per run and case the update (rank 0) and this rank's metric pairs."""
     try:
         torch.set_num_threads(1)
-        from trainer.distributed import destroy_distributed, init_distributed
         from trainer.rank_trainer import RankTrainer
 
         by_run = []
-        for (pp_size, cases), run_port in zip(runs, [port, *more_ports]):
-            info = init_distributed(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=run_port,
-                                    backend="gloo", timeout_s=60, tp_size=1, pp_size=pp_size, cp_size=1)
+        groups = process_groups_in_turn(rank, [port, *more_ports], [(1, pp_size) for pp_size, _ in runs])
+        for (pp_size, cases), info in zip(runs, groups):
             by_case = {}
             for name, loss, shards in cases:
                 trainer = RankTrainer(sgd_config(dp_size=2 // pp_size, pp_size=pp_size, loss=loss), info)
@@ -274,7 +284,6 @@ def loss_cases_worker(rank: int, port: int, more_ports: list[int], runs: list, i
                 after = trainer.full_parameters()
                 by_case[name] = (update_between(initial, after) if rank == 0 else None, result.metrics)
             by_run.append(by_case)
-            destroy_distributed()
         results.put((rank, by_run, None))
     except BaseException as error:  # report, never hang the parent
         results.put((rank, None, repr(error)))
