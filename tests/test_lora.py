@@ -15,7 +15,7 @@ import torch
 
 from trainer.config import TrainGroupConfig
 from tests.hf_support import megatron_logits, model_config_for, tiny_hf_model
-from tests.train_support import (free_ports, inprocess_trainer, layout_shards, make_samples, process_groups_in_turn,
+from tests.train_support import (inprocess_trainer, layout_shards, make_samples, process_groups_in_turn,
                                  run_two_ranks, sgd_config)
 from vgbs_ray.errors import ConfigError
 from vgbs_ray.models.lora import (AdapterMismatchError, LoraConfig, base_model_name, load_peft_adapter,
@@ -88,8 +88,8 @@ LAYOUTS = {"tp": (2, 1, 1), "dp": (1, 2, 1), "pp": (1, 1, 2)}
 """(tp_size, dp_size, pp_size) of each two-rank layout."""
 
 
-def _lora_step_worker(rank: int, port: int, more_ports: list[int], samples, start: dict, results) -> None:
-    """Spawned: for each of LAYOUTS in turn (a process group of its own each, on `port` then `more_ports`), two
+def _lora_step_worker(rank: int, ports: list[int], samples, start: dict, results) -> None:
+    """Spawned: for each of LAYOUTS in turn (a process group of its own each, on its port of `ports`), two
     ranks train one LoRA step from `start`; rank 0 reports, per layout, the logits before (TP: gathered; PP: None)
     and the adapters after (gathered over the stages). One spawn for all three: a spawn costs more than a step."""
     try:
@@ -97,7 +97,7 @@ def _lora_step_worker(rank: int, port: int, more_ports: list[int], samples, star
         from trainer.rank_trainer import RankTrainer
 
         reports = {}
-        groups = process_groups_in_turn(rank, [port, *more_ports], [(tp, pp) for tp, _, pp in LAYOUTS.values()])
+        groups = process_groups_in_turn(rank, ports, [(tp, pp) for tp, _, pp in LAYOUTS.values()])
         for (layout, (tp_size, dp_size, pp_size)), info in zip(LAYOUTS.items(), groups):
             trainer = RankTrainer(sgd_config(lora=LORA, tp_size=tp_size, dp_size=dp_size, pp_size=pp_size), info)
             trainer.load_full_parameters(start)
@@ -131,7 +131,7 @@ def one_rank_and_layouts():
     before = trainer.full_parameters(adapters=True)
     trainer.train_shard(one_step_shards(samples, 1)[0])
     expected = trainer.full_parameters(adapters=True)
-    (_, reports, _), _ = run_two_ranks(_lora_step_worker, free_ports(len(LAYOUTS) - 1), samples, start)
+    (_, reports, _), _ = run_two_ranks(_lora_step_worker, len(LAYOUTS), samples, start)
     return expected_logits, before, expected, reports
 
 

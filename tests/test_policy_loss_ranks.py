@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from trainer.config import LossConfig
-from tests.train_support import (assert_same_update, free_ports, inprocess_trainer, loss_cases_worker, make_samples,
+from tests.train_support import (assert_same_update, inprocess_trainer, loss_cases_worker, make_samples,
                                  layout_shards, run_two_ranks, sgd_config, update_between)
 from vgbs_ray.losses import CorrectionConfig
 from vgbs_ray.metrics import reduce_metric_pairs
@@ -60,7 +60,7 @@ def _shards(samples, dp_size: int):
 def _spawned(runs: list, initial: dict) -> list[dict]:
     """Per (pp_size, cases) of `runs`: {case: (update, metric pairs summed over the ranks)}, from one spawn of two
     ranks (a spawn costs more than its steps)."""
-    (_, first_runs, _), (_, second_runs, _) = run_two_ranks(loss_cases_worker, free_ports(len(runs) - 1), runs,
+    (_, first_runs, _), (_, second_runs, _) = run_two_ranks(loss_cases_worker, len(runs), runs,
                                                             initial)
     return [{name: (first[name][0], reduce_metric_pairs([first[name][1], second[name][1]])) for name in first}
             for first, second in zip(first_runs, second_runs)]

@@ -8,7 +8,9 @@ the model's config but no weights, serving once the group's first weights were l
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
+import signal
 import time
 from dataclasses import replace
 
@@ -361,8 +363,10 @@ def test_a_load_that_fails_half_way_breaks_the_engine_until_it_is_replaced(syste
 
 def test_a_rollout_over_three_versions_whose_engine_dies_mid_turn_keeps_one_sample_of_them(system):
     """Runs last. One rollout's token session over three versions: turn 1 at version 20; a load; turn 2 at 21;
-    then turn 3 goes to a replacement engine still waiting for version 22, which is killed with the request in it
-    (an event, not a sleep: its `requests_waiting_for_version`). The client sends the request again, under the
+    then turn 3 goes to a replacement engine still waiting for version 22, which dies during its update to 22,
+    with the request in it (events, not sleeps: the request shows in its `requests_waiting_for_version`; the
+    engine's process is frozen with SIGSTOP before the update is sent, so the update cannot finish before the
+    SIGKILL). The update's call fails with the engine's death; the client sends the request again, under the
     same rollout, to the next replacement, which answers at 22. The rollout is one sample: the turns' context and
     answers, each answer's tokens labelled with the version that sampled it, valid under the contract; nothing of
     the lost request is in it."""
@@ -399,7 +403,13 @@ def test_a_rollout_over_three_versions_whose_engine_dies_mid_turn_keeps_one_samp
         while not (await doomed.utilization.remote()).requests_waiting_for_version:
             assert time.monotonic() < deadline and not turn.done(), "the request never reached the engine"
             await asyncio.sleep(0.05)
-        ray.kill(doomed, no_restart=True)
+        pid = await doomed.__ray_call__.remote(lambda engine: os.getpid())
+        os.kill(pid, signal.SIGSTOP)
+        (update,) = engines.update_weights(newest)  # sent to the frozen engine: it dies with the update in flight
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(ray.exceptions.RayActorError):
+            await asyncio.wait_for(update, timeout=60)
+        assert not turn.done()
         await asyncio.to_thread(engines.replace, 0, serve_from_version=22, weights=(newest,))
         return await asyncio.wait_for(turn, timeout=120)
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.train_support import (assert_same_update, free_ports, inprocess_trainer, layout_shards, make_samples,
+from tests.train_support import (assert_same_update, inprocess_trainer, layout_shards, make_samples,
                                  record_collectives_worker, reference_update, relative_difference, run_two_ranks,
                                  sgd_config, update_between)
 from vgbs_ray.config import BatchConfig, ParallelConfig
@@ -115,7 +115,7 @@ def recorded_collectives():
     pipelined_samples = make_samples(19, 8)
     pipelined = build_step_shards(pipelined_samples, _schedule(pipelined_samples, max_tokens=100).steps[0], 0)
     runs = [(1, {"layout": layout, "lone": lone}), (2, {"pipelined": pipelined})]
-    reports = run_two_ranks(record_collectives_worker, free_ports(1), runs, timeout_s=180)
+    reports = run_two_ranks(record_collectives_worker, len(runs), runs, timeout_s=180)
     by_phase = {phase: [by_run[index][0][phase] for _, by_run, _ in reports]
                 for index, (_, phases) in enumerate(runs) for phase in phases}
     return by_phase, [by_run[0][1] for _, by_run, _ in reports], {"layout": layout, "lone": lone,
@@ -327,8 +327,6 @@ def test_decoupled_ppo_refuses_a_shard_without_behaviour_log_probs_before_traini
 
 def nan_beyond_the_probe():
     """A user loss that is finite on the build-time probe (5 tokens) and NaN on a real micro-batch."""
-    import torch
-
     from vgbs_ray.losses import LossOutput, PolicyLoss
 
     def compute(inputs):

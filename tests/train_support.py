@@ -151,18 +151,17 @@ def reference_update(model_config: ModelConfig, model_state: dict | None, sample
 
 # -- two spawned gloo ranks ------------------------------------------------------------------
 
-def run_two_ranks(worker, *args, timeout_s: float = 300) -> list[tuple]:
-    """`worker(rank, port, *args, results)` in two spawned processes joined in one gloo group; returns each rank's
-    report (a tuple whose first item is the rank and whose last is an error or None), in rank order. A rank's
-    error fails the caller's test, naming the rank."""
+def run_two_ranks(worker, num_groups: int, *args, timeout_s: float = 300) -> list[tuple]:
+    """`worker(rank, ports, *args, results)` in two spawned processes that join `num_groups` gloo groups in turn,
+    one per port of `ports` (`process_groups_in_turn`); returns each rank's report (a tuple whose first item is the
+    rank and whose last is an error or None), in rank order. A rank's error fails the caller's test, naming the
+    rank."""
     import multiprocessing
-
-    from trainer.distributed import find_free_port
 
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    port = find_free_port()
-    procs = [context.Process(target=worker, args=(rank, port, *args, results)) for rank in range(2)]
+    ports = free_ports(num_groups)  # in one call: a port picked apart could repeat one of them (EADDRINUSE)
+    procs = [context.Process(target=worker, args=(rank, ports, *args, results)) for rank in range(2)]
     for p in procs:
         p.start()
     try:
@@ -193,7 +192,8 @@ def process_groups_in_turn(rank: int, ports: list[int], sizes: list[tuple[int, i
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` distinct free ports: one rendezvous each for a spawn that makes several process groups in turn."""
+    """`count` distinct free ports: one rendezvous each for a spawn that makes several process groups in turn (the
+    OS may hand the same free port out twice in a row)."""
     from trainer.distributed import find_free_port
 
     ports: list[int] = []
@@ -208,9 +208,9 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sca
                "reduce", "barrier", "all_to_all_single", "send", "recv", "isend", "irecv")
 
 
-def record_collectives_worker(rank: int, port: int, more_ports: list[int], runs: list, results) -> None:
+def record_collectives_worker(rank: int, ports: list[int], runs: list, results) -> None:
     """Spawned per rank: for each (pp_size, shards_by_phase) of `runs` in turn, join a 2-rank gloo group (dp=2, or
-    pp=2; on `port`, then `more_ports`), train each phase's shard, record collectives. Reports per run
+    pp=2; on its port of `ports`), train each phase's shard, record collectives. Reports per run
     ({phase: (calls, micro-batches)}, the rank's parameter count).
 
     The patch lives only in this spawned process and only around `train_shard`.
@@ -234,7 +234,7 @@ def record_collectives_worker(rank: int, port: int, more_ports: list[int], runs:
 
         originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
         by_run = []
-        groups = process_groups_in_turn(rank, [port, *more_ports], [(1, pp_size) for pp_size, _ in runs])
+        groups = process_groups_in_turn(rank, ports, [(1, pp_size) for pp_size, _ in runs])
         for (pp_size, shards_by_phase), info in zip(runs, groups):
             trainer = RankTrainer(sgd_config(dp_size=2 // pp_size, pp_size=pp_size), info)
             by_phase = {}
@@ -265,16 +265,16 @@ def record_collectives_worker(rank: int, port: int, more_ports: list[int], runs:
 
 # -- two spawned ranks that train several loss configs (used by test_policy_loss_ranks) ----------
 
-def loss_cases_worker(rank: int, port: int, more_ports: list[int], runs: list, initial: dict, results) -> None:
+def loss_cases_worker(rank: int, ports: list[int], runs: list, initial: dict, results) -> None:
     """Spawned per rank: for each (pp_size, cases) of `runs` in turn, join a 2-rank gloo group (dp=2, or pp=2; on
-    `port`, then `more_ports`); for each (name, LossConfig, shards) of its cases, a fresh rank from `initial` trains
+    its port of `ports`); for each (name, LossConfig, shards) of its cases, a fresh rank from `initial` trains
     its shard once. Reports per run and case the update (rank 0) and this rank's metric pairs."""
     try:
         torch.set_num_threads(1)
         from trainer.rank_trainer import RankTrainer
 
         by_run = []
-        groups = process_groups_in_turn(rank, [port, *more_ports], [(1, pp_size) for pp_size, _ in runs])
+        groups = process_groups_in_turn(rank, ports, [(1, pp_size) for pp_size, _ in runs])
         for (pp_size, cases), info in zip(runs, groups):
             by_case = {}
             for name, loss, shards in cases:
