@@ -36,6 +36,8 @@ import asyncio
 import json
 import os
 import queue
+import secrets
+import shutil
 import tempfile
 import threading
 import time
@@ -198,12 +200,19 @@ class RolloutEngine:
     """One vLLM engine (see module docstring). Made remote by `RolloutEnginePool` only."""
 
     def __init__(self, config: EngineConfig, model_dir: str, name: str, policy_version: int = 0,
-                 serve_from_version: int | None = None):
+                 serve_from_version: int | None = None, files_name: str | None = None):
         with collector_paused(freeze=True):  # a faster start (actors/gc_tuning.py)
             from vllm import LLM
 
         self.config = config
         self.name = name
+        # The files this engine writes (a version's weights for a load by restart, LoRA adapters' PEFT files)
+        # live in directories of its own, named after its pool and itself: removed when it ends
+        # (`__ray_shutdown__`), and at start, where a killed engine of the same name left them (a replacement).
+        self._files_dirs = engine_files_dirs(files_name or f"vgbs-{os.getpid()}", name)
+        for directory in self._files_dirs:
+            shutil.rmtree(directory, ignore_errors=True)
+            os.makedirs(directory)
         # A directory without weights (the job's: config and tokenizer only) starts vLLM on placeholder weights
         # (its dummy load, ~1 s) and the engine holds no version until the first load. It, and a replacement
         # engine (RolloutEnginePool.replace), must not sample before that: generate calls wait until a load
@@ -277,6 +286,12 @@ class RolloutEngine:
 
     def ready(self) -> str:
         return self.name
+
+    def __ray_shutdown__(self) -> None:
+        """Ray calls this when the engine ends gracefully (`terminate`); a killed engine's files are removed by its
+        replacement, or by its pool's `shutdown` on the pool's node."""
+        for directory in self._files_dirs:
+            shutil.rmtree(directory, ignore_errors=True)
 
     async def generate(self, prompts: Sequence[Sequence[int]],
                        sampling: SamplingConfig | Sequence[SamplingConfig],
@@ -657,8 +672,7 @@ class RolloutEngine:
         from vllm.lora.request import LoRARequest
 
         if name not in self._adapter_dirs:
-            self._adapter_dirs[name] = tempfile.mkdtemp(prefix=f"{self.name}-{name}-",
-                                                        dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            self._adapter_dirs[name] = tempfile.mkdtemp(prefix=f"{name}-", dir=self._files_dirs[1])
         directory = self._adapter_dirs[name]
         if tensors:
             save_peft_adapter(directory, {key: t.float().numpy() for key, t in tensors}, self._loras[name],
@@ -680,13 +694,11 @@ class RolloutEngine:
         """A new LLM from this version's weights, written to a temporary directory with the start checkpoint's
         config.json and tokenizer files; the previous version's directory is removed once the new LLM is up."""
         import gc
-        import shutil
-        import tempfile
 
         from safetensors.torch import save_file
         from vllm import LLM
 
-        version_dir = tempfile.mkdtemp(prefix=f"{self.name}-v{policy_version}-")
+        version_dir = tempfile.mkdtemp(prefix=f"v{policy_version}-", dir=self._files_dirs[0])
         save_file({name: tensor.contiguous() for name, tensor in tensors}, os.path.join(version_dir, "model.safetensors"),
                   metadata={"format": "pt"})
         for name in ("config.json", *TOKENIZER_FILES):
@@ -699,6 +711,14 @@ class RolloutEngine:
         self.llm = LLM(**self._llm_kwargs)
         if previous != self._model_dir:
             shutil.rmtree(previous, ignore_errors=True)
+
+
+def engine_files_dirs(files_name: str, engine_name: str) -> tuple[str, str]:
+    """Where engine `engine_name` of the pool whose files are `files_name` writes: (weights of a version it loads
+    by restart, in the temporary directory; LoRA adapters' PEFT files, in /dev/shm where there is one: vLLM
+    reads them at every load)."""
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return (os.path.join(tempfile.gettempdir(), files_name, engine_name), os.path.join(shm, files_name, engine_name))
 
 
 def _engine_lost(error: BaseException) -> bool:
@@ -929,6 +949,8 @@ class RolloutEnginePool:
         self.model_dir = model_dir
         self.start_version = policy_version
         self.names = [f"{name_prefix}-{i}" for i in range(config.num_engines)]
+        self.files_name = f"vgbs-engines-{secrets.token_hex(4)}"
+        """The name of the directories the engines write their files in (`engine_files_dirs`)."""
         self._pg = None
         self.engines: list = []
         self._next = 0
@@ -963,7 +985,8 @@ class RolloutEnginePool:
             max_restarts=0, max_concurrency=1000, runtime_env={"env_vars": dict(env)},
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self._pg,
                                                                  placement_group_bundle_index=index),
-        ).remote(self.config, self.model_dir, self.names[index], self.start_version, serve_from_version)
+        ).remote(self.config, self.model_dir, self.names[index], self.start_version, serve_from_version,
+                 self.files_name)
 
     def replace(self, index: int, *, serve_from_version: int, weights: Sequence[PublishedWeights] = (),
                 name_timeout_s: float = 30.0):
@@ -1075,6 +1098,8 @@ class RolloutEnginePool:
         """End the engines (gracefully: `actors/shutdown.py`), then free their placement group."""
         terminate(self.engines)
         self.engines = []
+        for directory in {os.path.dirname(d) for name in self.names for d in engine_files_dirs(self.files_name, name)}:
+            shutil.rmtree(directory, ignore_errors=True)  # on this node: what killed engines left
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None

@@ -7,13 +7,15 @@ Real vLLM CPU engine in a Ray actor; the trainer is an in-process Megatron rank 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
 import ray
 
 from trainer.hf_checkpoint import write_hf_config
-from actors.rollout_engine import EngineConfig, EngineError, RolloutEnginePool
+from actors.rollout_engine import EngineConfig, EngineError, RolloutEnginePool, engine_files_dirs
+from actors.shutdown import terminate
 from trainer.config import ModelConfig
 from actors.weight_sync import hf_tensors_from_full
 from tests.hf_support import response_log_probs
@@ -84,6 +86,11 @@ def test_the_engine_samples_with_the_newest_adapter_and_its_log_probs_equal_the_
         for got, want, old in zip(generations, response_log_probs(model, generations), stale):
             np.testing.assert_allclose(got.response_log_probs, want, atol=1e-4, rtol=0)
             assert np.abs(got.response_log_probs - old).max() > 1e-2  # sampled with the second, not the first
+        # The adapter's PEFT files sit in a directory of the engine's own, which goes when the engine ends.
+        files = engine_files_dirs(engines.files_name, engines.names[0])[1]
+        assert os.listdir(files)
+        terminate([engine])  # gracefully, as the pool's shutdown does: Ray calls its __ray_shutdown__
+        assert not os.path.exists(files)
     finally:
         engines.shutdown()
 
@@ -112,5 +119,10 @@ def test_one_engine_serves_two_tenants_each_with_its_own_adapter_and_version(lor
                 np.testing.assert_allclose(got.response_log_probs, want, atol=1e-4, rtol=0)
         with pytest.raises(EngineError, match=r"adapter 'chat' is not served here; adapters: \['code', 'math'\]"):
             engines.generate(PROMPTS, sampling, adapter="chat")
+        # A killed engine cannot remove its files: the pool's shutdown does, on its node.
+        ray.kill(engine, no_restart=True)
+        files = engine_files_dirs(engines.files_name, engines.names[0])[1]
+        assert sorted(f.split("-")[0] for f in os.listdir(files)) == ["code", "math"]  # each adapter's, left
     finally:
         engines.shutdown()
+    assert not os.path.exists(os.path.dirname(files))
