@@ -10,7 +10,7 @@ cluster that lives), as is the uninterrupted run it is compared with: the same s
 rollout ids, each in exactly one step of the final history; rollouts trained before the checkpoint
 keep their step; rollouts the resumed producers sent again are rejected by rule.
 
-Slow: three job runs, about two to three minutes on a loaded 2-core machine.
+Slow: three job runs (the uninterrupted one beside the killed one), about a minute on a quiet 2-core machine.
 """
 
 from __future__ import annotations
@@ -116,36 +116,52 @@ def trained_ids(ledger: dict) -> dict[str, int]:
     return {rid: state[1] for rid, state in ledger["rollouts"].items() if state[0] == "trained"}
 
 
-def run_to_end(out: pathlib.Path, hold_until: pathlib.Path, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
-    started = time.monotonic()
-    done = subprocess.run(job_command(out, hold_until, *extra), cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    return done, time.monotonic() - started
+def start_job(out: pathlib.Path, hold_until: pathlib.Path, *extra: str) -> tuple[subprocess.Popen, pathlib.Path, float]:
+    """The job as a subprocess, its output (stdout and stderr) to `<out>.log`."""
+    log = out.with_suffix(".log")
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(job_command(out, hold_until, *extra), cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)
+    return proc, log, time.monotonic()
+
+
+def run_to_end(job: tuple[subprocess.Popen, pathlib.Path, float]) -> tuple[str, float]:
+    """The job's output once it ended (it must succeed), and its seconds from start."""
+    proc, log, started = job
+    proc.wait(timeout=900)
+    output = log.read_text()
+    assert proc.returncode == 0, output[-5000:]
+    return output, time.monotonic() - started
 
 
 def test_a_driver_killed_mid_run_resumes_and_trains_every_rollout_exactly_once(tmp_path, cluster_address):
     clean_out, out = tmp_path / "clean", tmp_path / "killed"
     attach = f"run.ray_address={cluster_address}"  # the clean and the resumed run; the killed one has a Ray of its own
-    # The first groups finish after the checkpoint the killed run is killed at: late, as they will after the resume.
-    _, clean_s = run_to_end(clean_out, clean_out / "checkpoints" / f"step_{KILL_AFTER_STEP + 1:06d}", attach)
+    # The uninterrupted run, beside the run to kill (they share nothing; a job's start leaves a core idle at times).
+    # Its first groups finish after the checkpoint the killed run is killed at: late, as they will after the resume.
+    clean = start_job(clean_out, clean_out / "checkpoints" / f"step_{KILL_AFTER_STEP + 1:06d}", attach)
+    try:
+        # The run to kill: in a session of its own, so the kill reaches everything it started.
+        log = open(tmp_path / "killed.log", "w")
+        proc = subprocess.Popen(job_command(out, tmp_path / "never"), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 600
+            while not (KILL_AFTER_STEP in trained_steps(out) and latest_checkpoint_mid_run(out)):
+                assert proc.poll() is None, ("the run ended before a checkpoint past step "
+                                             f"{KILL_AFTER_STEP} caught producers mid-run\n"
+                                             + (tmp_path / "killed.log").read_text()[-3000:])
+                assert time.monotonic() < deadline, "the run never reached the kill point"
+                time.sleep(0.05)
+        finally:
+            kill_session(proc)
+        _, clean_s = run_to_end(clean)
+    finally:
+        if clean[0].poll() is None:  # this test failed before the uninterrupted run ended
+            clean[0].kill()
+    assert proc.returncode == -signal.SIGKILL and not (out / "summary.json").exists()
     clean_summary = json.loads((clean_out / "summary.json").read_text())
     clean_trained = trained_ids(final_ledger(clean_out))
     assert len(clean_trained) == clean_summary["rollouts_trained"] > 4 * KILL_AFTER_STEP
-
-    # The run to kill: in a session of its own, so the kill reaches everything it started.
-    log = open(tmp_path / "killed.log", "w")
-    proc = subprocess.Popen(job_command(out, tmp_path / "never"), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while not (KILL_AFTER_STEP in trained_steps(out) and latest_checkpoint_mid_run(out)):
-            assert proc.poll() is None, ("the run ended before a checkpoint past step "
-                                         f"{KILL_AFTER_STEP} caught producers mid-run\n"
-                                         + (tmp_path / "killed.log").read_text()[-3000:])
-            assert time.monotonic() < deadline, "the run never reached the kill point"
-            time.sleep(0.05)
-    finally:
-        kill_session(proc)
-    assert proc.returncode == -signal.SIGKILL and not (out / "summary.json").exists()
     checkpoint = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
     at_kill = json.loads((checkpoint / "ledger.json").read_text())
     next_step = at_kill["summary"]["next_step"]
@@ -165,8 +181,8 @@ def test_a_driver_killed_mid_run_resumes_and_trains_every_rollout_exactly_once(t
     assert cursors == [{"next_index": 0}] * AGENTS  # the held groups
     assert len(sent_again) >= 4 * KILL_AFTER_STEP, "the rollouts pushed before the checkpoint are past the cursors"
 
-    resumed, resume_s = run_to_end(out, tmp_path, "run.resume=true", attach)
-    assert f"resumed from {checkpoint} at step {next_step}" in resumed.stdout
+    resumed, resume_s = run_to_end(start_job(out, tmp_path, "run.resume=true", attach))
+    assert f"resumed from {checkpoint} at step {next_step}" in resumed
     summary = json.loads((out / "summary.json").read_text())
     ledger = final_ledger(out)
     trained = trained_ids(ledger)
