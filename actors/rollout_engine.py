@@ -207,8 +207,8 @@ class RolloutEngine:
         self.config = config
         self.name = name
         # The files this engine writes (a version's weights for a load by restart, LoRA adapters' PEFT files)
-        # live in directories of its own, named after its pool and itself: removed when it ends
-        # (`__ray_shutdown__`), and at start, where a killed engine of the same name left them (a replacement).
+        # live in directories of its own, named after its pool and itself: removed before it ends
+        # (`remove_files`), and at start, where a killed engine of the same name left them (a replacement).
         self._files_dirs = engine_files_dirs(files_name or f"vgbs-{os.getpid()}", name)
         for directory in self._files_dirs:
             shutil.rmtree(directory, ignore_errors=True)
@@ -287,9 +287,10 @@ class RolloutEngine:
     def ready(self) -> str:
         return self.name
 
-    def __ray_shutdown__(self) -> None:
-        """Ray calls this when the engine ends gracefully (`terminate`); a killed engine's files are removed by its
-        replacement, or by its pool's `shutdown` on the pool's node."""
+    def remove_files(self) -> None:
+        """Remove the files this engine wrote; its pool's `shutdown` calls it before it ends the engine. (Not Ray's
+        `__ray_shutdown__`: `terminate` kills an actor as soon as its exit is known, which can cut that hook short.)
+        A killed engine's files are removed by its replacement, or by the pool's `shutdown` on the pool's node."""
         for directory in self._files_dirs:
             shutil.rmtree(directory, ignore_errors=True)
 
@@ -1095,7 +1096,9 @@ class RolloutEnginePool:
             raise engine_error(error, engine_name, what) from error
 
     def shutdown(self) -> None:
-        """End the engines (gracefully: `actors/shutdown.py`), then free their placement group."""
+        """End the engines (gracefully: `actors/shutdown.py`) and remove their files, then free their placement
+        group."""
+        live_results([engine.remove_files.remote() for engine in self.engines], timeout_s=30)
         terminate(self.engines)
         self.engines = []
         for directory in {os.path.dirname(d) for name in self.names for d in engine_files_dirs(self.files_name, name)}:

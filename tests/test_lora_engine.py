@@ -15,7 +15,6 @@ import ray
 
 from trainer.hf_checkpoint import write_hf_config
 from actors.rollout_engine import EngineConfig, EngineError, RolloutEnginePool, engine_files_dirs
-from actors.shutdown import terminate
 from trainer.config import ModelConfig
 from actors.weight_sync import hf_tensors_from_full
 from tests.hf_support import response_log_probs
@@ -86,10 +85,10 @@ def test_the_engine_samples_with_the_newest_adapter_and_its_log_probs_equal_the_
         for got, want, old in zip(generations, response_log_probs(model, generations), stale):
             np.testing.assert_allclose(got.response_log_probs, want, atol=1e-4, rtol=0)
             assert np.abs(got.response_log_probs - old).max() > 1e-2  # sampled with the second, not the first
-        # The adapter's PEFT files sit in a directory of the engine's own, which goes when the engine ends.
+        # The adapter's PEFT files sit in a directory of the engine's own, which it removes before it ends.
         files = engine_files_dirs(engines.files_name, engines.names[0])[1]
         assert os.listdir(files)
-        terminate([engine])  # gracefully, as the pool's shutdown does: Ray calls its __ray_shutdown__
+        ray.get(engine.remove_files.remote(), timeout=60)  # what the pool's shutdown asks of every engine
         assert not os.path.exists(files)
     finally:
         engines.shutdown()
