@@ -200,7 +200,7 @@ class RolloutEngine:
     """One vLLM engine (see module docstring). Made remote by `RolloutEnginePool` only."""
 
     def __init__(self, config: EngineConfig, model_dir: str, name: str, policy_version: int = 0,
-                 serve_from_version: int | None = None, files_name: str | None = None):
+                 serve_from_version: int | None = None, *, files_name: str):
         with collector_paused(freeze=True):  # a faster start (actors/gc_tuning.py)
             from vllm import LLM
 
@@ -209,7 +209,7 @@ class RolloutEngine:
         # The files this engine writes (a version's weights for a load by restart, LoRA adapters' PEFT files)
         # live in directories of its own, named after its pool and itself: removed before it ends
         # (`remove_files`), and at start, where a killed engine of the same name left them (a replacement).
-        self._files_dirs = engine_files_dirs(files_name or f"vgbs-{os.getpid()}", name)
+        self._files_dirs = engine_files_dirs(files_name, name)
         for directory in self._files_dirs:
             shutil.rmtree(directory, ignore_errors=True)
             os.makedirs(directory)
@@ -714,12 +714,18 @@ class RolloutEngine:
             shutil.rmtree(previous, ignore_errors=True)
 
 
-def engine_files_dirs(files_name: str, engine_name: str) -> tuple[str, str]:
-    """Where engine `engine_name` of the pool whose files are `files_name` writes: (weights of a version it loads
-    by restart, in the temporary directory; LoRA adapters' PEFT files, in /dev/shm where there is one: vLLM
-    reads them at every load)."""
+def pool_files_dirs(files_name: str) -> tuple[str, str]:
+    """The directories of the pool whose files are `files_name`, on each node: (weights of versions loaded by
+    restart, in the temporary directory; LoRA adapters' PEFT files, in /dev/shm where there is one: vLLM reads
+    them at every load). They are the same directory where there is no /dev/shm."""
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return (os.path.join(tempfile.gettempdir(), files_name, engine_name), os.path.join(shm, files_name, engine_name))
+    return os.path.join(tempfile.gettempdir(), files_name), os.path.join(shm, files_name)
+
+
+def engine_files_dirs(files_name: str, engine_name: str) -> tuple[str, str]:
+    """Engine `engine_name`'s own directories within its pool's (`pool_files_dirs`), in the same order."""
+    weights, adapters = pool_files_dirs(files_name)
+    return os.path.join(weights, engine_name), os.path.join(adapters, engine_name)
 
 
 def _engine_lost(error: BaseException) -> bool:
@@ -951,7 +957,7 @@ class RolloutEnginePool:
         self.start_version = policy_version
         self.names = [f"{name_prefix}-{i}" for i in range(config.num_engines)]
         self.files_name = f"vgbs-engines-{secrets.token_hex(4)}"
-        """The name of the directories the engines write their files in (`engine_files_dirs`)."""
+        """The name of the directories the engines write their files in (`pool_files_dirs`)."""
         self._pg = None
         self.engines: list = []
         self._next = 0
@@ -987,7 +993,7 @@ class RolloutEnginePool:
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self._pg,
                                                                  placement_group_bundle_index=index),
         ).remote(self.config, self.model_dir, self.names[index], self.start_version, serve_from_version,
-                 self.files_name)
+                 files_name=self.files_name)
 
     def replace(self, index: int, *, serve_from_version: int, weights: Sequence[PublishedWeights] = (),
                 name_timeout_s: float = 30.0):
@@ -1101,7 +1107,7 @@ class RolloutEnginePool:
         live_results([engine.remove_files.remote() for engine in self.engines], timeout_s=30)
         terminate(self.engines)
         self.engines = []
-        for directory in {os.path.dirname(d) for name in self.names for d in engine_files_dirs(self.files_name, name)}:
+        for directory in pool_files_dirs(self.files_name):
             shutil.rmtree(directory, ignore_errors=True)  # on this node: what killed engines left
         if self._pg is not None:
             remove_placement_group(self._pg)

@@ -14,7 +14,8 @@ import pytest
 import ray
 
 from trainer.hf_checkpoint import write_hf_config
-from actors.rollout_engine import EngineConfig, EngineError, RolloutEnginePool, engine_files_dirs
+from actors.rollout_engine import (EngineConfig, EngineError, RolloutEnginePool, engine_files_dirs,
+                                   pool_files_dirs)
 from trainer.config import ModelConfig
 from actors.weight_sync import hf_tensors_from_full
 from tests.hf_support import response_log_probs
@@ -124,4 +125,4 @@ def test_one_engine_serves_two_tenants_each_with_its_own_adapter_and_version(lor
         assert sorted(f.split("-")[0] for f in os.listdir(files)) == ["code", "math"]  # each adapter's, left
     finally:
         engines.shutdown()
-    assert not os.path.exists(os.path.dirname(files))
+    assert not any(os.path.exists(d) for d in pool_files_dirs(engines.files_name))

@@ -7,13 +7,12 @@ from-scratch tiny Llama, the producers' endpoint with vLLM's `hermes` parser, ex
 steps at 64 rollouts a step, where the policy learns to call the tool: the share of first replies the endpoint
 returned as parsed `tool_calls`, by the policy version that sampled them (the agent's own record), rises from
 chance (~0.05: the call is one word of 19) to >= 0.5, and the reward of the rollouts those versions sampled rises
-with it by >= 0.15. Measured: 0.94 calls and reward 0.07 -> 0.48 at 36 steps; at 30 steps 0.82-0.87 calls
-(rollout.seed 0) in most runs, but one CI run reached only 0.67 calls and a reward rise of 0.14 measured as the
-per-step sampled reward (a mean over whatever the producers pushed between two steps: noisy), so the test now
-runs 36 steps and pools each version's rollouts. The preset credits a call answered with wrong digits 0.2, so in this phase its reward rises
-by ~0.08 (0.09 -> 0.16-0.17), within three standard errors of the noise of five steps: a test of that failed CI
-once. Here the call earns 0.5 (the agent's `called_credit`), so a policy that calls earns ~0.5 against chance's
-0.1 and the rise is far above the noise. Slow: about a minute.
+with it by >= 0.15. Measured at 36 steps: 0.94 calls, reward 0.07 -> 0.48. At 30 steps most runs reached
+0.82-0.87 calls, but one `.ci/run` 0.67 and a rise of 0.14 in the per-step sampled reward (a mean over whatever the
+producers pushed between two steps: noisy), hence 36 steps and each version's rollouts pooled. The preset
+credits a call answered with wrong digits 0.2, so in this phase its reward rises by ~0.08, within the noise of
+five steps: a test of that failed CI once. Here the call earns 0.5 (the agent's `called_credit`), so a policy
+that calls earns ~0.5 against chance's 0.1 and the rise is far above the noise. Slow: about a minute.
 """
 
 from __future__ import annotations
